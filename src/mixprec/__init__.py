@@ -1,0 +1,17 @@
+"""mixprec: mixed-precision training for PyTorch that shows where precision hurts."""
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .devices import Support, supports
+from .engine import MixedPrecision, StepResult
+from .loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from .recipe import RECIPES, LossScaleConfig, Precision, Recipe, Rounding, get_recipe, parse_recipe
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MixedPrecision", "StepResult",
+    "Recipe", "RECIPES", "Precision", "Rounding", "LossScaleConfig", "get_recipe", "parse_recipe",
+    "LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale",
+    "save_checkpoint", "load_checkpoint", "CheckpointError",
+    "supports", "Support",
+]

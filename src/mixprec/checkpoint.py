@@ -1,0 +1,155 @@
+"""Checkpoints that are written atomically, checksummed, verified on load, and resume bit for bit.
+
+A checkpoint holds the model, the optimizer, everything the engine owns (loss scale and its counters,
+fp32 master weights, the stochastic-rounding generator), an optional LR scheduler, the RNG states of
+torch, CUDA, ``random`` and NumPy, and the user's extras::
+
+    save_checkpoint("run/step_1000.ckpt", mp, scheduler=sched, extra={"step": 1000})
+    extra = load_checkpoint("run/step_1000.ckpt", mp, scheduler=sched)
+
+File layout: a magic line, the payload's length (8 bytes, little endian) and SHA-256 (32 bytes), then
+the payload as ``torch.save`` wrote it. The file is written under a temporary name in the same folder,
+flushed to disk and renamed over the target, so a crash leaves the old checkpoint or the new one,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .engine import MixedPrecision
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
+
+_MAGIC = b"MIXPREC-CHECKPOINT v1\n"
+_HEADER = len(_MAGIC) + 8 + 32
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, altered, or does not fit the engine it is loaded into."""
+
+
+def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, scheduler: Any = None,
+                    extra: Any = None, rng: bool = True) -> Path:
+    """Write everything needed to resume ``engine``'s run to ``path``, atomically. Syncs with the host."""
+    if not isinstance(engine, MixedPrecision):
+        raise TypeError(f"save_checkpoint needs the MixedPrecision engine, got {type(engine).__name__}")
+    state = {
+        "model": engine.model.state_dict(),
+        "optimizer": engine.optimizer.state_dict(),
+        "mixprec": engine.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": _rng_state() if rng else None,
+        "extra": extra,
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + len(payload).to_bytes(8, "little") + hashlib.sha256(payload).digest())
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, scheduler: Any = None,
+                    rng: bool = True, weights_only: bool = True) -> Any:
+    """Verify ``path`` and restore it into ``engine`` (and ``scheduler``); returns the saved extras.
+
+    The checksum is checked before anything is unpickled or restored, so a bad file changes nothing.
+    ``weights_only=False`` lets extras hold arbitrary Python objects: only for files you trust.
+    """
+    path = Path(path)
+    state = _read_verified(path, engine.device, weights_only)
+    try:
+        engine.model.load_state_dict(state["model"])
+        engine.load_state_dict(state["mixprec"])
+        engine.optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path}: does not fit this model/optimizer/recipe: {exc}") from exc
+    if scheduler is not None:
+        if state["scheduler"] is None:
+            raise CheckpointError(f"{path}: holds no LR scheduler state, but a scheduler was passed")
+        scheduler.load_state_dict(state["scheduler"])
+    if rng and state["rng"] is not None:
+        _set_rng_state(state["rng"])
+    return state["extra"]
+
+
+def _read_verified(path: Path, device: torch.device, weights_only: bool) -> dict[str, Any]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such checkpoint file") from None
+    if not data.startswith(_MAGIC):
+        raise CheckpointError(f"{path}: not a mixprec checkpoint (no mixprec header)")
+    if len(data) < _HEADER:
+        raise CheckpointError(f"{path}: truncated inside its header ({len(data)} bytes)")
+    length = int.from_bytes(data[len(_MAGIC):len(_MAGIC) + 8], "little")
+    digest = data[len(_MAGIC) + 8:_HEADER]
+    payload = data[_HEADER:]
+    if len(payload) != length:
+        raise CheckpointError(f"{path}: truncated or padded: the header promises {length} bytes of "
+                              f"payload, the file holds {len(payload)}")
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError(f"{path}: checksum mismatch: the file was altered or corrupted after it "
+                              "was written")
+    try:
+        return torch.load(io.BytesIO(payload), map_location=device, weights_only=weights_only)
+    except Exception as exc:   # the bytes are as written, so this is an unpickling restriction
+        raise CheckpointError(f"{path}: could not be unpickled ({exc}); if its extras hold custom "
+                              "objects and you trust the file, pass weights_only=False") from exc
+
+
+def _rng_state() -> dict[str, Any]:
+    version, keys, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "python": [version, list(keys), gauss],
+        # Plain types only, so the file loads with weights_only=True.
+        "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk (POSIX); not possible on Windows.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+

@@ -1,0 +1,254 @@
+"""MixedPrecision: one object that ties a recipe, a model, an optimizer and a loss scale together.
+
+    mp = MixedPrecision(model, optimizer, recipe="fp16")
+    for x, y in loader:
+        with mp.autocast():
+            loss = loss_fn(model(x), y)
+        mp.backward(loss)      # loss * S, backward
+        result = mp.step()     # one read of the gradients, then step or skip, then the scale update
+        mp.zero_grad()
+
+``step()`` reads the gradients once: a global norm of the still-scaled gradients is inf or NaN exactly
+when some gradient is, so the overflow check and clipping share that pass. Then either
+
+- the fused path (torch's fused Adam/AdamW/SGD): the optimizer gets ``grad_scale = S / clip`` and
+  ``found_inf`` and divides, clips and skips inside its own kernel: no host sync, no extra pass; or
+- the generic path (any other optimizer): one host sync to learn whether to skip, one in-place
+  multiply by ``clip / S``, then ``optimizer.step()``.
+
+A skipped step leaves weights, master weights, optimizer state and step counters bitwise as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .casting import cast_model, low_precision_params
+from .devices import supports
+from .loss_scale import DynamicLossScale, LossScale, make_loss_scale
+from .master import MasterWeights
+from .recipe import Precision, Recipe, get_recipe
+
+__all__ = ["MixedPrecision", "StepResult"]
+
+# Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
+# finite clip coefficient (clamped to 1 anyway).
+_CLIP_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one ``step()`` did. Fields are device tensors; the properties read them (each a host sync)."""
+
+    skipped_t: torch.Tensor     # () bool: the step was skipped (non-finite gradients)
+    scale_t: torch.Tensor       # () float32: the loss scale after this step's update
+    grad_norm_t: torch.Tensor   # () float32: global L2 norm of the unscaled gradients, before clipping
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self.skipped_t)
+
+    @property
+    def scale(self) -> float:
+        return float(self.scale_t)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.grad_norm_t)
+
+    def __repr__(self) -> str:
+        return f"StepResult(skipped={self.skipped}, scale={self.scale:g}, grad_norm={self.grad_norm:.6g})"
+
+
+class MixedPrecision:
+    """Train ``model`` with ``optimizer`` under ``recipe`` (a name, a recipe string or a Recipe).
+
+    On construction the model is prepared in place for the recipe (pure recipes cast its weights and
+    install casting hooks) and, for recipes with a master copy or stochastic rounding, the optimizer's
+    references to the low-precision weights are replaced by fp32 copies. ``clip_grad_norm`` clips the
+    global L2 norm of the *unscaled* gradients.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: str | Recipe = "fp16",
+                 *, clip_grad_norm: float | None = None, seed: int = 0) -> None:
+        self.recipe = get_recipe(recipe)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm}")
+        params = list(model.parameters())
+        if not params:
+            raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
+        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        owned = {id(p) for p in params}
+        foreign = [p for p in opt_params if id(p) not in owned]
+        if foreign or not opt_params:
+            raise ValueError(
+                f"the optimizer holds {len(foreign)} of {len(opt_params)} parameters that are not "
+                f"{type(model).__name__}'s: build it from this model, e.g. "
+                f"{type(optimizer).__name__}(model.parameters(), ...), before MixedPrecision")
+        non_float = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+        if non_float:
+            raise TypeError(f"parameters {non_float[:3]} are not floating point; mixed precision trains "
+                            "floating-point weights only")
+        self.device = params[0].device
+        support = supports(self.recipe, self.device)
+        if not support.ok:
+            raise ValueError(f"recipe {self.recipe.label!r} cannot run on {self.device}: {support.reason}")
+
+        self.model = model
+        self.optimizer = optimizer
+        self.clip_grad_norm = clip_grad_norm
+        in_optimizer = {id(p) for p in opt_params}
+        low = [p for p in low_precision_params(model, self.recipe) if id(p) in in_optimizer]
+        self.master: MasterWeights | None = None
+        if self.recipe.param.is_low:
+            self.master = MasterWeights(low, optimizer, keep=self.recipe.master is not None,
+                                        rounding=self.recipe.rounding, seed=seed)
+        self._hooks = cast_model(model, self.recipe)
+        self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
+
+    # ------------------------------------------------------------------ forward
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Run the forward pass in the recipe's compute precision; TF32 on only for ``tf32``.
+
+        torch.autocast does the per-op casting for fp16/bf16 compute. The TF32 switches are global in
+        torch, so they are set here and restored on exit.
+        """
+        tf32 = self.recipe.compute is Precision.TF32
+        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+        try:
+            with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
+                                enabled=self.recipe.autocast):
+                yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+    # ----------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``(loss * S).backward()``. Call it several times before ``step()`` to accumulate. No sync."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward() needs the loss as a tensor, got {type(loss).__name__}")
+        if not loss.is_floating_point():
+            raise TypeError(f"the loss has dtype {loss.dtype}; it must be floating point (compute it "
+                            "from the model's output, e.g. with F.cross_entropy)")
+        if loss.numel() != 1:
+            raise ValueError(f"the loss must be a single number, got shape {tuple(loss.shape)}: reduce it "
+                             "first, e.g. loss.mean()")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: was it computed under torch.no_grad() or "
+                             "from detached tensors?")
+        self.loss_scale.scale(loss).backward(**kwargs)
+
+    # --------------------------------------------------------------------- step
+    def step(self) -> StepResult:
+        """Unscale, clip, check for overflow, then step or skip, then update the scale.
+
+        Forces one host sync on the generic path (to decide whether to call ``optimizer.step()``),
+        none on the fused path. The result's properties sync when read.
+        """
+        if self.master is not None:
+            self.master.pull_grads()
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
+        scale = self.loss_scale.value
+        # fp32 norms whatever the grad dtype: an fp16 norm of finite fp16 values could itself overflow.
+        scaled_norm = torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        found_inf = ~torch.isfinite(scaled_norm)
+        # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
+        grad_norm = scaled_norm / scale
+        divisor = scale                          # optimizer must see grad / divisor
+        if self.clip_grad_norm is not None:
+            clip = (self.clip_grad_norm / (grad_norm + _CLIP_EPS)).clamp(max=1.0)
+            divisor = scale / clip
+
+        if self._fused_step_ok():
+            self.optimizer.grad_scale = divisor                       # type: ignore[attr-defined]
+            self.optimizer.found_inf = found_inf.to(torch.float32)    # type: ignore[attr-defined]
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf  # type: ignore[attr-defined]
+            stepped = True
+        else:
+            stepped = not bool(found_inf)   # the one host sync of the generic path
+            if stepped:
+                # Every gradient the optimizer holds is fp32 here: pure recipes step on fp32 copies.
+                torch._foreach_mul_(grads, 1.0 / divisor)
+                self.optimizer.step()
+            else:
+                # An LR scheduler stepping next to us would warn that optimizer.step() was never
+                # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
+                self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        if self.master is not None and (stepped or not self.master.keep):
+            self.master.push_weights()
+        self.loss_scale.update(found_inf)
+        if not stepped and isinstance(self.loss_scale, DynamicLossScale):
+            self.loss_scale.warn_if_at_floor()
+        return StepResult(found_inf, self.loss_scale.value.clone(), grad_norm)
+
+    def _fused_step_ok(self) -> bool:
+        """True when the optimizer can divide, clip and skip inside its own fused kernel."""
+        opt = self.optimizer
+        if not getattr(opt, "_step_supports_amp_scaling", False):
+            return False
+        if not all(g.get("fused") for g in opt.param_groups):
+            return False
+        if isinstance(opt, torch.optim.SGD):
+            # torch's fused SGD creates its momentum buffers with empty_like on the first step and
+            # leaves them uninitialised if that step is skipped: take the generic path until they exist.
+            return all(g["momentum"] == 0 or "momentum_buffer" in opt.state.get(p, {})
+                       for g in opt.param_groups for p in g["params"])
+        return True
+
+    # ----------------------------------------------------------------- helpers
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients and those of the fp32 copies."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.model.zero_grad(set_to_none=set_to_none)
+        if self.master is not None:
+            self.master.zero_grad(set_to_none)
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale. Syncs with the host."""
+        return float(self.loss_scale.value)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far for non-finite gradients. Syncs with the host."""
+        return int(self.loss_scale.skipped)
+
+    @property
+    def steps(self) -> int:
+        """``step()`` calls so far, skipped ones included. Syncs with the host."""
+        return int(self.loss_scale.steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything mixprec owns: recipe, loss scale, master weights, stochastic-rounding generator.
+
+        The model's and the optimizer's own state dicts are theirs to save (``save_checkpoint`` saves
+        all of it together).
+        """
+        return {"recipe": str(self.recipe), "loss_scale": self.loss_scale.state_dict(),
+                "master": self.master.state_dict() if self.master is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("recipe") != str(self.recipe):
+            raise ValueError(f"state was saved under recipe {state.get('recipe')!r} but this engine runs "
+                             f"{str(self.recipe)!r}: build MixedPrecision with the saved recipe to resume")
+        self.loss_scale.load_state_dict(state["loss_scale"])
+        if self.master is not None:
+            self.master.load_state_dict(state["master"])

@@ -1,0 +1,145 @@
+"""Loss scales: none, static and dynamic, behind one protocol.
+
+Multiplying the loss by S multiplies every gradient by S (backprop is linear), lifting small fp16
+gradients above the subnormal floor (2**-24). The optimizer must see ``grad / S``; the engine folds that
+division into the optimizer step. A scale too large overflows to inf: the dynamic scale skips that step
+and backs off. All three kinds keep their state in device tensors and update it without a host sync::
+
+    >>> ls = DynamicLossScale(LossScaleConfig(growth_interval=2), device="cpu")
+    >>> ls.update(torch.tensor(False)); ls.update(torch.tensor(False)); float(ls.value)
+    131072.0
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Protocol
+
+import torch
+
+from .recipe import LossScaleConfig
+
+__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale"]
+
+
+class LossScale(Protocol):
+    """What the engine needs from a loss scale. "Off" is a variant: NoLossScale."""
+
+    value: torch.Tensor   # () float32 on the device: the current scale S
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+    def update(self, found_inf: torch.Tensor) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class _CountingScale:
+    """Shared parts: the scale tensor, counts of steps and skips, state round trip."""
+
+    def __init__(self, init: float, device: torch.device | str) -> None:
+        # float32 holds every power of two the scale can take exactly.
+        self.value = torch.tensor(float(init), dtype=torch.float32, device=device)
+        self.steps = torch.zeros((), dtype=torch.int64, device=device)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S`` (in the loss's dtype, fp32 for the losses autocast produces). No sync."""
+        return loss * self.value.to(loss.dtype)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Count the step and whether it was skipped. ``found_inf`` is a () bool tensor. No sync."""
+        self.steps += 1
+        self.skipped += found_inf.to(torch.int64)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {"value": self.value, "steps": self.steps, "skipped": self.skipped}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v.detach().clone() for k, v in self._tensors().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        own = self._tensors()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ValueError(f"{type(self).__name__} state lacks {missing}: was it saved by a "
+                             "different kind of loss scale?")
+        for key, tensor in own.items():
+            tensor.copy_(state[key])
+
+
+class NoLossScale(_CountingScale):
+    """S = 1 always. Non-finite gradients still skip the step (the engine checks them)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(1.0, device)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss   # multiplying by exactly 1 would only cost a kernel
+
+
+class StaticLossScale(_CountingScale):
+    """A fixed S (seed 000's alpha). An overflowing step is skipped; S never changes."""
+
+    def __init__(self, value: float, device: torch.device | str = "cpu") -> None:
+        super().__init__(value, device)
+
+
+class DynamicLossScale(_CountingScale):
+    """S adapts: grow after clean runs, back off after overflows (with hysteresis), stay in bounds.
+
+    On an overflowing step: the step is skipped, the clean-run counter resets, and the hysteresis budget
+    drops by one; when it reaches zero S is multiplied by ``backoff`` (never below ``floor``). The
+    budget refills only when S grows, so after a first back-off every further overflow backs off at
+    once until the scale has recovered (DeepSpeed's non-consecutive hysteresis). After
+    ``growth_interval`` clean steps in a row S is multiplied by ``growth`` (never above ``ceiling``).
+    At the floor the engine keeps skipping and counting: S never reaches 0 or inf and the run goes on.
+    """
+
+    def __init__(self, config: LossScaleConfig | None = None, device: torch.device | str = "cpu") -> None:
+        self.config = config or LossScaleConfig()
+        super().__init__(self.config.init, device)
+        self.clean_steps = torch.zeros((), dtype=torch.int32, device=device)
+        self.hysteresis_left = torch.full((), self.config.hysteresis, dtype=torch.int32, device=device)
+        self.floor_skips = torch.zeros((), dtype=torch.int64, device=device)
+        self._warned_floor = False
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Apply one step's outcome to S with a handful of tiny device ops. No host sync."""
+        c = self.config
+        super().update(found_inf)
+        clean = ~found_inf
+        self.floor_skips += (found_inf & (self.value <= c.floor)).to(torch.int64)
+        self.clean_steps.copy_(torch.where(clean, self.clean_steps + 1, 0))
+        grow = clean & (self.clean_steps >= c.growth_interval)
+        budget = torch.where(found_inf, (self.hysteresis_left - 1).clamp(min=0), self.hysteresis_left)
+        back_off = found_inf & (budget <= 0)
+        # Powers of two times powers of two stay exact in fp32; the clamps keep S in [floor, ceiling].
+        new_value = torch.where(grow, (self.value * c.growth).clamp(max=c.ceiling), self.value)
+        new_value = torch.where(back_off, (self.value * c.backoff).clamp(min=c.floor), new_value)
+        self.value.copy_(new_value)
+        self.clean_steps.copy_(torch.where(grow, 0, self.clean_steps))
+        self.hysteresis_left.copy_(torch.where(grow, c.hysteresis, budget))
+
+    def warn_if_at_floor(self) -> None:
+        """Warn once if steps were skipped with S already at its floor. Syncs with the host."""
+        if not self._warned_floor and int(self.floor_skips) > 0:
+            self._warned_floor = True
+            warnings.warn(
+                f"loss scale is at its floor ({self.config.floor:g}) and steps still overflow "
+                f"({int(self.floor_skips)} skipped there so far): the overflow is not a scaling "
+                "problem; look for inf/NaN in the forward pass or lower the learning rate",
+                RuntimeWarning, stacklevel=3)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return super()._tensors() | {"clean_steps": self.clean_steps,
+                                     "hysteresis_left": self.hysteresis_left,
+                                     "floor_skips": self.floor_skips}
+
+
+def make_loss_scale(config: LossScaleConfig, device: torch.device | str) -> LossScale:
+    """The loss scale a recipe's config describes, with its state on ``device``."""
+    if config.kind == "none":
+        return NoLossScale(device)
+    if config.kind == "static":
+        return StaticLossScale(config.init, device)
+    return DynamicLossScale(config, device)

@@ -1,0 +1,318 @@
+"""Recipes: frozen, typed descriptions of how a model trains in mixed precision.
+
+A recipe says in which dtype the weights are held, in which dtype the matmuls run, whether an fp32
+master copy takes the optimizer step, how the loss is scaled and which modules stay fp32. Named recipes
+cover the usual cases; one string grammar spells any recipe and ``str(recipe)`` prints it back::
+
+    >>> r = get_recipe("fp16-pure")
+    >>> str(r)
+    'params=fp16,compute=fp16,master=fp32,scale=dynamic'
+    >>> parse_recipe(str(r)) == r
+    True
+    >>> parse_recipe("params=bf16,compute=bf16,rounding=stochastic").name
+    'bf16-sr'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+
+import torch
+
+__all__ = [
+    "Precision", "Rounding", "LossScaleConfig", "Recipe", "RECIPES", "get_recipe", "parse_recipe",
+]
+
+
+class Precision(enum.Enum):
+    """A floating-point precision for weights or compute."""
+
+    FP32 = "fp32"
+    TF32 = "tf32"   # fp32 storage; matmuls and convolutions on tensor cores with a 10-bit mantissa
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch storage dtype (tf32 is stored as float32)."""
+        return _DTYPES[self]
+
+    @property
+    def is_low(self) -> bool:
+        """True for the 16-bit formats, the ones autocast and weight casting target."""
+        return self in (Precision.FP16, Precision.BF16)
+
+    @classmethod
+    def parse(cls, word: str, *, key: str = "precision") -> Precision:
+        try:
+            return _PRECISION_WORDS[word.strip().lower()]
+        except KeyError:
+            raise ValueError(
+                f"unknown {key} {word!r}; valid values: {', '.join(p.value for p in cls)}"
+            ) from None
+
+
+_DTYPES = {
+    Precision.FP32: torch.float32, Precision.TF32: torch.float32,
+    Precision.FP16: torch.float16, Precision.BF16: torch.bfloat16,
+}
+_PRECISION_WORDS = {p.value: p for p in Precision} | {
+    "float32": Precision.FP32, "float16": Precision.FP16, "half": Precision.FP16,
+    "bfloat16": Precision.BF16,
+}
+
+
+class Rounding(enum.Enum):
+    """How the optimizer's fp32 result is rounded into low-precision weights without a master copy."""
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"   # unbiased: E[round(x)] == x, so small updates survive on average
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    """How the loss is scaled before backward.
+
+    ``kind`` is ``"none"``, ``"static"`` (multiply by ``init`` always) or ``"dynamic"`` (start at
+    ``init``; on an overflow skip the step and, after ``hysteresis`` overflows without a growth in
+    between, multiply by ``backoff``; after ``growth_interval`` clean steps in a row multiply by
+    ``growth``; never leave ``[floor, ceiling]``).
+    """
+
+    kind: str = "dynamic"
+    init: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    floor: float = 1.0
+    ceiling: float = 2.0**24
+
+    def __post_init__(self) -> None:
+        if self.kind not in _SCALE_KINDS:
+            raise ValueError(f"unknown loss scale {self.kind!r}; valid values: {', '.join(_SCALE_KINDS)}")
+        if not (math.isfinite(self.init) and self.init > 0):
+            raise ValueError(f"loss scale init must be a finite positive number, got {self.init}")
+        if self.kind == "dynamic":
+            if not self.growth > 1.0:
+                raise ValueError(f"loss scale growth must be > 1, got {self.growth}")
+            if not 0.0 < self.backoff < 1.0:
+                raise ValueError(f"loss scale backoff must be in (0, 1), got {self.backoff}")
+            if self.growth_interval < 1 or self.hysteresis < 1:
+                raise ValueError("loss scale growth_interval and hysteresis must be >= 1, got "
+                                 f"{self.growth_interval} and {self.hysteresis}")
+            if not (0.0 < self.floor <= self.init <= self.ceiling < math.inf):
+                raise ValueError("loss scale needs 0 < floor <= init <= ceiling < inf, got "
+                                 f"floor={self.floor}, init={self.init}, ceiling={self.ceiling}")
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "static":
+            return f"static:{_num(self.init)}"
+        default = LossScaleConfig()
+        changed = [f"{f.name}={_num(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                   if f.name != "kind" and getattr(self, f.name) != getattr(default, f.name)]
+        return "dynamic" + (f"({','.join(changed)})" if changed else "")
+
+    @classmethod
+    def parse(cls, text: str) -> LossScaleConfig:
+        """``none`` | ``static:1024`` | ``dynamic`` | ``dynamic(hysteresis=2,init=1024)``."""
+        text = text.strip()
+        if text == "none":
+            return cls(kind="none")
+        if text.startswith("static"):
+            _, sep, value = text.partition(":")
+            if not sep:
+                raise ValueError("a static loss scale needs its value, e.g. scale=static:1024")
+            return cls(kind="static", init=_parse_float(value, "static loss scale"))
+        m = re.fullmatch(r"dynamic(?:\((.*)\))?", text)
+        if not m:
+            raise ValueError(f"unknown loss scale {text!r}; valid forms: none, static:VALUE, dynamic, "
+                             "dynamic(init=..,growth=..,backoff=..,growth_interval=..,hysteresis=..,"
+                             "floor=..,ceiling=..)")
+        kwargs: dict[str, float | int] = {}
+        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "kind"}
+        for item in filter(None, (m.group(1) or "").split(",")):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in names:
+                raise ValueError(f"unknown dynamic loss scale option {item!r}; valid keys: "
+                                 f"{', '.join(names)}")
+            kwargs[key] = (int(_parse_float(value, key)) if key in ("growth_interval", "hysteresis")
+                           else _parse_float(value, key))
+        return cls(kind="dynamic", **kwargs)
+
+
+_SCALE_KINDS = ("none", "static", "dynamic")
+
+# Module types kept in fp32 by pure recipes: normalisations reduce over many values (mean, variance)
+# and their tiny affine parameters cost nothing in memory.
+DEFAULT_FP32_MODULES = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm", "LocalResponseNorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How a model trains: weights dtype, compute dtype, master copy, loss scale, fp32 modules.
+
+    ``param`` is the dtype the model's weights are held in; ``compute`` the dtype autocast runs the
+    matmuls in (fp32 and tf32 mean no autocast); ``master`` the dtype of the copy the optimizer updates
+    (``None``: the optimizer updates the model's own weights); ``rounding`` how the fp32 optimizer result
+    is rounded into low-precision weights when there is no master copy; ``fp32_modules`` names module
+    classes (matched as a substring of the class name) whose weights and inputs stay fp32 in pure recipes.
+    """
+
+    param: Precision = Precision.FP32
+    compute: Precision = Precision.FP32
+    master: Precision | None = None
+    loss_scale: LossScaleConfig = LossScaleConfig(kind="none")
+    rounding: Rounding = Rounding.NEAREST
+    fp32_modules: tuple[str, ...] = DEFAULT_FP32_MODULES
+
+    def __post_init__(self) -> None:
+        for name in ("param", "compute"):
+            if not isinstance(getattr(self, name), Precision):
+                raise TypeError(f"Recipe.{name} must be a Precision, got {getattr(self, name)!r}")
+        if self.param is Precision.TF32:
+            raise ValueError("params=tf32 is not a storage format; use params=fp32,compute=tf32")
+        if self.master not in (None, Precision.FP32):
+            raise ValueError(f"master must be fp32 or none, got {self.master.value}")
+        if self.master is not None and not self.param.is_low:
+            raise ValueError(f"a master copy only makes sense for fp16/bf16 weights; params="
+                             f"{self.param.value} needs master=none")
+        if self.param.is_low and self.compute is not self.param:
+            raise ValueError(f"params={self.param.value} needs compute={self.param.value}: low-precision "
+                             "weights are multiplied in their own dtype")
+        if self.rounding is Rounding.STOCHASTIC and (self.master is not None or not self.param.is_low):
+            raise ValueError("rounding=stochastic applies to fp16/bf16 weights without a master copy "
+                             "(master=none)")
+        if self.compute is Precision.FP16 and self.loss_scale.kind == "none" and not self._explicit_none:
+            raise ValueError("fp16 compute without loss scaling lets small gradients flush to zero; use "
+                             "scale=dynamic (or scale=static:VALUE), or spell scale=none to accept that")
+
+    # ``scale=none`` with fp16 is allowed only when spelled out; the flag is not part of equality.
+    _explicit_none: bool = dataclasses.field(default=False, repr=False, compare=False)
+
+    @property
+    def autocast(self) -> bool:
+        """True when torch.autocast casts the compute to fp16/bf16."""
+        return self.compute.is_low
+
+    @property
+    def name(self) -> str | None:
+        """The named recipe this equals, or ``None`` for a custom one."""
+        return next((n for n, r in RECIPES.items() if r == self), None)
+
+    @property
+    def label(self) -> str:
+        """The name where there is one, else the full string: for tables and plots."""
+        return self.name or str(self)
+
+    def __str__(self) -> str:
+        parts = [f"params={self.param.value}", f"compute={self.compute.value}",
+                 f"master={self.master.value if self.master else 'none'}", f"scale={self.loss_scale}"]
+        if self.rounding is not Rounding.NEAREST:
+            parts.append(f"rounding={self.rounding.value}")
+        if self.fp32_modules != DEFAULT_FP32_MODULES:
+            parts.append(f"fp32_modules={'+'.join(self.fp32_modules) or 'none'}")
+        return ",".join(parts)
+
+
+def _num(x: float) -> str:
+    """Shortest exact text for a float: powers of two as 2**k, integers plainly."""
+    if x > 0 and math.log2(x).is_integer() and abs(math.log2(x)) >= 8:
+        return f"2**{int(math.log2(x))}"
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _parse_float(text: str, what: str) -> float:
+    text = text.strip()
+    try:
+        if text.startswith("2**"):
+            return 2.0 ** float(text[3:])
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{what} must be a number (e.g. 1024 or 2**16), got {text!r}") from None
+
+
+_FP16_DYNAMIC = LossScaleConfig(kind="dynamic")
+
+RECIPES: dict[str, Recipe] = {
+    "fp32": Recipe(),
+    "tf32": Recipe(compute=Precision.TF32),
+    "fp16": Recipe(compute=Precision.FP16, loss_scale=_FP16_DYNAMIC),
+    "bf16": Recipe(compute=Precision.BF16),
+    "fp16-pure": Recipe(param=Precision.FP16, compute=Precision.FP16, master=Precision.FP32,
+                        loss_scale=_FP16_DYNAMIC),
+    "bf16-pure": Recipe(param=Precision.BF16, compute=Precision.BF16, master=Precision.FP32),
+    "bf16-sr": Recipe(param=Precision.BF16, compute=Precision.BF16, rounding=Rounding.STOCHASTIC),
+}
+
+_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules")
+
+
+def get_recipe(spec: str | Recipe) -> Recipe:
+    """A recipe from a name (``"fp16"``), a full string, or a Recipe (returned as is)."""
+    if isinstance(spec, Recipe):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"recipe must be a name, a recipe string or a Recipe, got {type(spec).__name__}")
+    return parse_recipe(spec)
+
+
+def parse_recipe(text: str) -> Recipe:
+    """Parse a recipe name or ``key=value,...`` string; unknown names and keys list the valid ones.
+
+    Keys: ``params``, ``compute`` (defaults to params), ``master`` (fp32|none, default none),
+    ``scale`` (none | static:V | dynamic[(opts)]; default dynamic for fp16 compute, else none),
+    ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none).
+    """
+    text = text.strip()
+    if text in RECIPES:
+        return RECIPES[text]
+    if "=" not in text:
+        raise ValueError(f"unknown recipe {text!r}; named recipes: {', '.join(RECIPES)}; or spell one as "
+                         "params=..,compute=..,master=..,scale=..")
+    fields: dict[str, str] = {}
+    for item in _split_top_level(text):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in _KEYS:
+            raise ValueError(f"unknown recipe key {key!r} in {text!r}; valid keys: {', '.join(_KEYS)}")
+        if key in fields:
+            raise ValueError(f"recipe key {key!r} given twice in {text!r}")
+        fields[key] = value.strip()
+    param = Precision.parse(fields.get("params", "fp32"), key="params")
+    compute = Precision.parse(fields.get("compute", param.value), key="compute")
+    master_word = fields.get("master", "none")
+    master = None if master_word == "none" else Precision.parse(master_word, key="master")
+    if "scale" in fields:
+        scale = LossScaleConfig.parse(fields["scale"])
+    else:
+        scale = _FP16_DYNAMIC if compute is Precision.FP16 else LossScaleConfig(kind="none")
+    try:
+        rounding = Rounding(fields.get("rounding", "nearest"))
+    except ValueError:
+        raise ValueError(f"unknown rounding {fields['rounding']!r}; valid values: "
+                         f"{', '.join(r.value for r in Rounding)}") from None
+    modules = DEFAULT_FP32_MODULES
+    if "fp32_modules" in fields:
+        word = fields["fp32_modules"]
+        modules = () if word == "none" else tuple(m for m in word.split("+") if m)
+    return Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
+                  fp32_modules=modules, _explicit_none=fields.get("scale") == "none")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside parentheses (``scale=dynamic(a=1,b=2)`` stays whole)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [s for s in (s.strip() for s in items) if s]
