@@ -189,6 +189,8 @@ class Recipe:
         if self.rounding is Rounding.STOCHASTIC and (self.master is not None or not self.param.is_low):
             raise ValueError("rounding=stochastic applies to fp16/bf16 weights without a master copy "
                              "(master=none)")
+        if self.rounding is Rounding.STOCHASTIC and self.param is not Precision.BF16:
+            raise ValueError("rounding=stochastic is implemented for bf16 weights only (params=bf16)")
         if self.compute is Precision.FP16 and self.loss_scale.kind == "none" and not self._explicit_none:
             raise ValueError("fp16 compute without loss scaling lets small gradients flush to zero; use "
                              "scale=dynamic (or scale=static:VALUE), or spell scale=none to accept that")
@@ -223,7 +225,7 @@ class Recipe:
 
 def _num(x: float) -> str:
     """Shortest exact text for a float: powers of two as 2**k, integers plainly."""
-    if x > 0 and math.log2(x).is_integer() and abs(math.log2(x)) >= 8:
+    if x > 0 and math.log2(x).is_integer() and abs(math.log2(x)) >= 12:
         return f"2**{int(math.log2(x))}"
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny models that exercise every part of a recipe (a norm kept fp32, two linears)."""
+
+import pytest
+import torch
+from torch import nn
+
+
+def tiny_model(seed: int = 0, d_in: int = 8, hidden: int = 16, d_out: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd-momentum-fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "adam-forloop": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False),
+}
+
+
+def batches(n: int, seed: int = 1, batch: int = 32, d_in: int = 8, d_out: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, d_in, generator=g), torch.randint(0, d_out, (batch,), generator=g))
+            for _ in range(n)]
+
+
+@pytest.fixture
+def model():
+    return tiny_model()

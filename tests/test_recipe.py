@@ -1,0 +1,97 @@
+"""Recipes: named ones, the string grammar's round trip, and errors that list the valid values."""
+
+import dataclasses
+import pickle
+
+import pytest
+import torch
+
+from mixprec import RECIPES, LossScaleConfig, Precision, Recipe, Rounding, get_recipe, parse_recipe
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_named_recipe_string_round_trips(name):
+    recipe = RECIPES[name]
+    assert parse_recipe(str(recipe)) == recipe
+    assert parse_recipe(str(recipe)).name == name
+    assert pickle.loads(pickle.dumps(recipe)) == recipe
+
+
+def test_named_recipes_match_the_design_table():
+    r = RECIPES
+    assert (r["fp32"].param, r["fp32"].compute, r["fp32"].master) == (Precision.FP32, Precision.FP32, None)
+    assert r["fp16"].compute is Precision.FP16 and r["fp16"].param is Precision.FP32
+    assert r["fp16"].loss_scale.kind == "dynamic" and r["fp16"].loss_scale.init == 2.0**16
+    assert r["bf16"].loss_scale.kind == "none" and r["bf16"].autocast
+    assert r["fp16-pure"].param is Precision.FP16 and r["fp16-pure"].master is Precision.FP32
+    assert r["bf16-pure"].param is Precision.BF16 and r["bf16-pure"].master is Precision.FP32
+    assert r["bf16-sr"].master is None and r["bf16-sr"].rounding is Rounding.STOCHASTIC
+    assert not r["tf32"].autocast and r["tf32"].compute is Precision.TF32
+    assert str(r["fp16-pure"]) == "params=fp16,compute=fp16,master=fp32,scale=dynamic"
+
+
+@pytest.mark.parametrize("text", [
+    "params=fp16,compute=fp16,master=fp32,scale=static:1024",
+    "params=fp32,compute=fp16,master=none,scale=dynamic(growth_interval=100,hysteresis=2)",
+    "params=fp32,compute=fp16,master=none,scale=dynamic(init=1024,floor=0.0625,ceiling=2**20)",
+    "params=bf16,compute=bf16,master=fp32,scale=none,fp32_modules=LayerNorm+Embedding",
+    "params=bf16,compute=bf16,master=none,scale=none,fp32_modules=none",
+    "params=fp32,compute=fp16,master=none,scale=none",
+])
+def test_custom_recipe_round_trips(text):
+    recipe = parse_recipe(text)
+    assert str(recipe) == text
+    assert parse_recipe(str(recipe)) == recipe
+
+
+def test_defaults_fill_in_and_aliases_parse():
+    r = parse_recipe("params=half")
+    assert r == RECIPES["fp16"].__class__(param=Precision.FP16, compute=Precision.FP16,
+                                           loss_scale=LossScaleConfig())
+    assert parse_recipe("compute=bfloat16") == RECIPES["bf16"]
+    assert parse_recipe("compute=fp16") == RECIPES["fp16"]    # fp16 compute defaults to dynamic scaling
+    assert get_recipe(RECIPES["bf16"]) is RECIPES["bf16"]
+    assert parse_recipe("params=bf16,compute=bf16,master=fp32").name == "bf16-pure"
+    assert parse_recipe("params=fp32,compute=fp16,master=none,scale=dynamic(hysteresis=2)").name is None
+
+
+def test_dataclasses_replace_varies_a_recipe():
+    r = dataclasses.replace(RECIPES["fp16"], loss_scale=LossScaleConfig(kind="static", init=8.0))
+    assert str(r) == "params=fp32,compute=fp16,master=none,scale=static:8"
+    assert r.label == str(r) and RECIPES["fp16"].label == "fp16"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("fp17", ["unknown recipe", "fp16-pure", "bf16-sr"]),
+    ("params=fp16,comptue=fp16", ["unknown recipe key 'comptue'", "compute", "master"]),
+    ("params=fp12", ["unknown params 'fp12'", "fp16", "bf16"]),
+    ("compute=fp16,scale=sometimes", ["unknown loss scale", "dynamic"]),
+    ("compute=fp16,scale=dynamic(speed=2)", ["unknown dynamic loss scale option", "hysteresis"]),
+    ("compute=fp16,scale=static", ["static loss scale needs its value"]),
+    ("compute=fp16,scale=static:abc", ["must be a number"]),
+    ("params=fp16,compute=bf16", ["needs compute=fp16"]),
+    ("params=fp32,compute=fp32,master=fp32", ["master copy only makes sense"]),
+    ("params=fp16,compute=fp16,master=fp32,rounding=stochastic", ["rounding=stochastic"]),
+    ("params=fp16,compute=fp16,rounding=stochastic", ["bf16"]),
+    ("params=bf16,rounding=sometimes", ["unknown rounding", "stochastic"]),
+    ("params=tf32", ["not a storage format"]),
+    ("compute=fp16,compute=bf16", ["given twice"]),
+    ("compute=fp16,scale=dynamic(growth=0.5)", ["growth must be > 1"]),
+    ("compute=fp16,scale=dynamic(floor=2**20)", ["floor <= init <= ceiling"]),
+])
+def test_bad_recipes_name_the_problem(text, words):
+    with pytest.raises(ValueError) as info:
+        parse_recipe(text)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_fp16_without_scaling_needs_to_be_spelled_out():
+    with pytest.raises(ValueError, match="spell scale=none"):
+        Recipe(compute=Precision.FP16, loss_scale=LossScaleConfig(kind="none"))
+    assert parse_recipe("compute=fp16,scale=none").loss_scale.kind == "none"
+
+
+def test_get_recipe_rejects_other_types():
+    with pytest.raises(TypeError, match="recipe must be"):
+        get_recipe(torch.float16)
