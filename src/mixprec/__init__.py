@@ -3,6 +3,8 @@
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .devices import Support, supports
 from .engine import MixedPrecision, StepResult
+from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
+                      classify, get_format, quantize)
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
 from .recipe import RECIPES, LossScaleConfig, Precision, Recipe, Rounding, get_recipe, parse_recipe
 
@@ -14,4 +16,6 @@ __all__ = [
     "LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale",
     "save_checkpoint", "load_checkpoint", "CheckpointError",
     "supports", "Support",
+    "Format", "FORMATS", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2", "get_format",
+    "quantize", "classify", "RangeCounts",
 ]
