@@ -1,0 +1,83 @@
+"""Preparing a model: what is cast, what stays fp32, which dtypes flow in and out."""
+
+import io
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec import MixedPrecision, parse_recipe
+from mixprec.casting import cast_floating, low_precision_params
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 8 * 8, 16)
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv(x)))
+        return self.head(self.ln(self.fc(x.flatten(1))))
+
+
+def test_pure_recipe_casts_weights_keeps_norms_fp32_and_routes_dtypes():
+    torch.manual_seed(0)
+    model = Net()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16-pure")
+    assert {model.conv.weight.dtype, model.fc.weight.dtype, model.head.bias.dtype} == {torch.float16}
+    assert {model.bn.weight.dtype, model.bn.running_var.dtype, model.ln.weight.dtype} == {torch.float32}
+    seen = {}
+
+    def record(module, args, out):
+        seen[module] = (args[0].dtype, out.dtype)     # returns None: observes, changes nothing
+    for name in ("bn", "ln", "head"):
+        getattr(model, name).register_forward_hook(record)
+    with mp.autocast():
+        out = model(torch.randn(2, 1, 8, 8))                   # fp32 input from the data pipeline
+    # Norms receive fp32 inputs (their weights are fp32, so they compute in fp32) and hand fp16 on.
+    assert seen[model.bn] == (torch.float32, torch.float16)
+    assert seen[model.ln] == (torch.float32, torch.float16)
+    assert seen[model.head][0] == torch.float16
+    assert out.dtype == torch.float32                           # logits leave in fp32 for the loss
+    # The master copy holds exactly the low-precision parameters, as fp32 clones of the initial values.
+    assert len(mp.master.masters) == 6 and all(m.dtype == torch.float32 for m in mp.master.masters)
+
+
+def test_autocast_recipe_keeps_weights_and_casts_only_outputs():
+    model = Net()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and mp.master is None
+    with mp.autocast():
+        assert model(torch.randn(2, 1, 8, 8)).dtype == torch.float32
+
+
+def test_prepared_model_still_serialises():
+    model = Net()
+    MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-pure")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    clone = torch.load(buffer, weights_only=False)
+    x = torch.randn(2, 1, 8, 8)
+    assert torch.equal(clone(x), model(x))
+
+
+def test_fp32_modules_option_and_tied_weights():
+    model = Net()
+    recipe = parse_recipe("params=bf16,compute=bf16,master=fp32,fp32_modules=Linear+Norm")
+    params = low_precision_params(model, recipe)
+    assert [p.shape for p in params] == [model.conv.weight.shape, model.conv.bias.shape]
+    tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    assert len(low_precision_params(tied, parse_recipe("bf16-pure"))) == 1   # one tensor, counted once
+
+
+def test_cast_floating_walks_nests_and_leaves_integers():
+    value = {"a": [torch.ones(2), torch.arange(3)], "b": (torch.ones(1, dtype=torch.float64), "text")}
+    cast = cast_floating(value, torch.float16)
+    assert cast["a"][0].dtype == torch.float16 and cast["a"][1].dtype == torch.int64
+    assert cast["b"][0].dtype == torch.float16 and cast["b"][1] == "text" and isinstance(cast["b"], tuple)
