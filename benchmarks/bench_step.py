@@ -1,0 +1,154 @@
+"""MixedPrecision against the hand-written torch.amp loop, timed side by side in one run.
+
+Two comparisons, each interleaved (A, B, A, B, ...) so drift in clock speed or load hits both alike:
+
+1. a whole training step (forward, backward, optimizer) for a recipe: mixprec's engine against
+   torch.autocast + torch.amp.GradScaler + the same fused AdamW;
+2. the optimizer step alone (unscale + clip + AdamW) on the same gradients: mixprec's one norm pass
+   plus fused AdamW with grad_scale/found_inf, against torch's unscale_ -> clip_grad_norm_ -> fused
+   AdamW (scaler.step/update).
+
+Prints medians and the ratio torch.amp / mixprec (> 1 means mixprec is faster).
+Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--reps 30] [--recipes fp16,bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def mlp(width: int, depth: int, device) -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10)).to(device)
+
+
+def interleave(fns: dict, reps: int, device) -> dict[str, float]:
+    times = {k: [] for k in fns}
+    for _ in range(3):                       # warm-up: allocator, kernels, lazy optimizer state
+        for fn in fns.values():
+            fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def whole_step(recipe: str, device, width, depth, batch, reps):
+    x = torch.randn(batch, width, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    low = mixprec.get_recipe(recipe).compute.dtype
+
+    m1 = mlp(width, depth, device)
+    mp = mixprec.MixedPrecision(m1, torch.optim.AdamW(m1.parameters(), lr=1e-4, fused=True), recipe)
+
+    def ours():
+        with mp.autocast():
+            loss = F.cross_entropy(m1(x), y)
+        mp.backward(loss)
+        mp.step()
+        mp.zero_grad()
+
+    m2 = mlp(width, depth, device)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-4, fused=True)
+    scaler = torch.amp.GradScaler(device.type, enabled=low == torch.float16)
+
+    def theirs():
+        with torch.autocast(device.type, dtype=low):
+            loss = F.cross_entropy(m2(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt2)
+        scaler.update()
+        opt2.zero_grad(set_to_none=True)
+
+    return interleave({"mixprec": ours, "torch.amp": theirs}, reps, device)
+
+
+def optimizer_step(device, width, depth, reps, clip=1.0):
+    m1, m2 = mlp(width, depth, device), mlp(width, depth, device)
+    grads = [torch.randn_like(p) * 2.0**16 for p in m1.parameters()]   # as if scaled by S = 2**16
+
+    mp = mixprec.MixedPrecision(m1, torch.optim.AdamW(m1.parameters(), lr=1e-6, fused=True), "fp16",
+                                clip_grad_norm=clip)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-6, fused=True)
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.scale(torch.ones((), device=device))   # creates the scale tensor, as scaler.scale(loss) would
+
+    def load(model):
+        for p, g in zip(model.parameters(), grads):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+    def ours():
+        mp.step()
+
+    def theirs():
+        scaler.unscale_(opt2)
+        torch.nn.utils.clip_grad_norm_(m2.parameters(), clip, foreach=True)
+        scaler.step(opt2)
+        scaler.update()
+
+    # Gradients are restored before each timed call (outside the timing): unscale_ divides in place.
+    times = {"mixprec": [], "torch.amp": []}
+    for _ in range(3):
+        load(m1), ours(), load(m2), theirs()
+    for _ in range(reps):
+        for name, fn in (("mixprec", ours), ("torch.amp", theirs)):
+            load(m1 if name == "mixprec" else m2)
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in m1.parameters())
+    return {k: statistics.median(v) for k, v in times.items()}, n_params
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--recipes", default="fp16,bf16")
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=128)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
+             f", {torch.get_num_threads()} threads"))
+    print(f"MLP {args.depth}x{args.width}, batch {args.batch}, {args.reps} interleaved reps, medians\n")
+    print(f"{'comparison':<34}{'mixprec ms':>12}{'torch.amp ms':>14}{'torch/mixprec':>15}")
+    for recipe in args.recipes.split(","):
+        t = whole_step(recipe, device, args.width, args.depth, args.batch, args.reps)
+        print(f"{'whole step, ' + recipe:<34}{t['mixprec'] * 1e3:>12.3f}{t['torch.amp'] * 1e3:>14.3f}"
+              f"{t['torch.amp'] / t['mixprec']:>14.3f}x")
+    t, n = optimizer_step(device, args.width, args.depth, args.reps)
+    print(f"{'optimizer step (unscale+clip+AdamW)':<34}{t['mixprec'] * 1e3:>12.3f}{t['torch.amp'] * 1e3:>14.3f}"
+          f"{t['torch.amp'] / t['mixprec']:>14.3f}x")
+    print(f"\n{n / 1e6:.1f}M parameters in the optimizer step")
+
+
+if __name__ == "__main__":
+    main()

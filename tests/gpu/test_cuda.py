@@ -1,0 +1,70 @@
+"""CUDA-only checks: fp16/bf16 steps on the GPU without a host sync, and the fused path used there."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
+
+
+def model_and_data():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.GELU(), nn.Linear(512, 16)).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    y = torch.randint(0, 16, (64,), device="cuda")
+    return model, x, y
+
+
+@pytest.mark.parametrize("recipe", ["fp16", "bf16", "fp16-pure", "bf16-pure", "bf16-sr", "tf32"])
+def test_fused_step_runs_without_host_sync(recipe):
+    model, x, y = model_and_data()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), recipe,
+                                clip_grad_norm=1.0)
+    for _ in range(2):                       # warm-up: lazy state creation may sync
+        with mp.autocast():
+            mp.backward(F.cross_entropy(model(x), y))
+        mp.step()
+        mp.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            with mp.autocast():
+                loss = F.cross_entropy(model(x), y)
+            mp.backward(loss)
+            result = mp.step()
+            mp.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not result.skipped and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("recipe", ["fp16", "fp16-pure"])
+def test_planted_overflow_skips_on_gpu(recipe):
+    model, x, y = model_and_data()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), recipe)
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        mp.backward(F.cross_entropy(model(x), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    result = mp.step()
+    assert result.skipped and result.scale == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fp16_matches_fp32_on_gpu():
+    finals = {}
+    for recipe in ("fp32", "fp16"):
+        model, x, y = model_and_data()
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.05), recipe)
+        for _ in range(20):
+            with mp.autocast():
+                mp.backward(F.cross_entropy(model(x), y))
+            mp.step()
+            mp.zero_grad()
+        finals[recipe] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert (finals["fp16"] - finals["fp32"]).norm() / finals["fp32"].norm() < 5e-3
