@@ -54,4 +54,7 @@ def resolve_device(word: str | None) -> torch.device:
         raise ValueError(f"unknown device {word!r}; use cpu, cuda, cuda:N or auto") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {word!r} asked for, but this torch build sees no CUDA GPU; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {word!r} asked for, but only {torch.cuda.device_count()} CUDA GPU(s) are "
+                         f"visible (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     return device

@@ -1,0 +1,1 @@
+"""The lab: built-in workloads, a trainer that runs them under each recipe, typed reports and the CLI."""

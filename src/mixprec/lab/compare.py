@@ -1,0 +1,94 @@
+"""The compare experiment: one workload, several recipes, same seed and steps; a CompareReport out.
+
+Two phases, so a typo never costs a training run: ``plan_compare`` checks every input (workload, steps,
+device, each recipe and whether the device can run it) and returns a frozen plan; ``run_compare``
+trains it::
+
+    plan = plan_compare("mlp", ["fp32", "bf16"], steps=300, device="cpu")
+    report = run_compare(plan)
+    report.run("bf16").test_metric
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import __version__
+from ..devices import resolve_device, supports
+from ..recipe import RECIPES, Recipe, get_recipe
+from .report import CompareReport
+from .trainer import TrainProgress, check_steps, train
+from .workloads import Workload, get_workload
+
+__all__ = ["DEFAULT_RECIPES", "ComparePlan", "plan_compare", "run_compare"]
+
+DEFAULT_RECIPES = ("fp32", "fp16", "bf16", "fp16-pure")
+
+
+@dataclasses.dataclass(frozen=True)
+class ComparePlan:
+    """A validated compare run: every recipe here can run on ``device``."""
+
+    workload: Workload
+    recipes: tuple[Recipe, ...]
+    device: torch.device
+    steps: int
+    seed: int
+
+
+def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recipe] = DEFAULT_RECIPES, *,
+                 steps: int | None = None, device: str | torch.device | None = "auto",
+                 seed: int = 0) -> ComparePlan:
+    """Check everything a compare run needs before any training; ValueError/TypeError name the fix.
+
+    ``steps=None`` takes the workload's default. Recipes given twice run once.
+    """
+    if not isinstance(workload, Workload):
+        workload = get_workload(workload)
+    steps = workload.default_steps if steps is None else check_steps(steps)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    if isinstance(recipes, (str, Recipe)):
+        recipes = [recipes]
+    parsed: dict[str, Recipe] = {}
+    for spec in recipes:
+        recipe = get_recipe(spec)
+        parsed.setdefault(str(recipe), recipe)
+    if not parsed:
+        raise ValueError(f"no recipes to compare; name some, e.g. {','.join(DEFAULT_RECIPES)}")
+    for recipe in parsed.values():
+        support = supports(recipe, device)
+        if not support.ok:
+            runnable = [n for n, r in RECIPES.items() if supports(r, device).ok]
+            raise ValueError(f"recipe {recipe.label!r} cannot run on {device}: {support.reason} "
+                             f"(recipes {device.type} can run: {', '.join(runnable)})")
+    return ComparePlan(workload, tuple(parsed.values()), device, steps, seed)
+
+
+def run_compare(plan: ComparePlan,
+                on_progress: Callable[[int, TrainProgress], None] | None = None) -> CompareReport:
+    """Train ``plan``'s workload under each recipe in turn; ``on_progress(run_index, progress)``."""
+    plan.workload.load_data()   # loaded (and cached) up front, so no run's wall_s includes it
+    runs = []
+    for i, recipe in enumerate(plan.recipes):
+        callback = None if on_progress is None else (lambda p, i=i: on_progress(i, p))
+        runs.append(train(plan.workload, recipe, steps=plan.steps, device=plan.device, seed=plan.seed,
+                          on_progress=callback))
+    return CompareReport(
+        workload=plan.workload.name, metric=plan.workload.metric_name, device=str(plan.device),
+        device_name=_device_name(plan.device), threads=torch.get_num_threads(),
+        torch_version=torch.__version__, mixprec_version=__version__, steps=plan.steps,
+        batch_size=plan.workload.batch_size, seed=plan.seed, runs=tuple(runs))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"{platform.machine() or 'unknown'} CPU"
+    return device.type

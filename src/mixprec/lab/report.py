@@ -1,0 +1,252 @@
+"""CompareReport: the data a ``mixprec compare`` run yields, its JSON form, and its table.
+
+The table (and, later, HTML) is rendered from the report, never scraped from the console.
+
+JSON schema, version 1 (one object; floats that are not finite are written as the strings ``"NaN"``,
+``"Infinity"`` and ``"-Infinity"``, so the file is strict JSON that a browser can read)::
+
+    schema_version   int      1; bumped when a field changes meaning or goes away
+    workload         str      the workload's name, e.g. "mlp"
+    metric           str      what test_metric measures, e.g. "accuracy" (a fraction in [0, 1])
+    device           str      the torch device trained on, e.g. "cpu", "cuda:0"
+    device_name      str      the hardware: GPU name, or the CPU's architecture
+    threads          int      torch's intra-op CPU threads (speed on CPU depends on it)
+    torch_version    str
+    mixprec_version  str
+    steps            int      optimizer steps per run (skipped ones included)
+    batch_size       int
+    seed             int      fixes the initial weights and the minibatch order, the same for every run
+    runs             list     one object per recipe, in the order run:
+      recipe         str      the full recipe string (mixprec.parse_recipe reads it back)
+      label          str      the recipe's name, or the full string for a custom recipe
+      final_loss     float    mean train loss over the last 10% of steps
+      test_metric    float    the workload's metric on its test set
+      samples_per_s  float    training throughput, warm-up steps excluded
+      skipped_steps  int      steps skipped for inf/NaN gradients
+      final_scale    float    loss scale after the last step (1.0 without loss scaling)
+      losses         [float]  train loss at every step
+      scales         [float]  loss scale after every step
+      skipped_at     [int]    0-based indices of the skipped steps
+      wall_s         float    seconds for the run: build, train, evaluate (the first run also
+                              pays torch's one-time lazy imports, about a second)
+
+Reading a report back gives an equal one: ``CompareReport.from_json(report.to_json()) == report``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from ..recipe import get_recipe
+from .trainer import RunResult
+
+__all__ = ["SCHEMA_VERSION", "CompareReport", "render_table", "render_notes", "short_names"]
+
+SCHEMA_VERSION = 1
+_BASELINE = "fp32"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareReport:
+    """One workload trained under several recipes on one device, with the same seed and steps."""
+
+    workload: str
+    metric: str
+    device: str
+    device_name: str
+    threads: int
+    torch_version: str
+    mixprec_version: str
+    steps: int
+    batch_size: int
+    seed: int
+    runs: tuple[RunResult, ...]
+    schema_version: int = SCHEMA_VERSION
+
+    def run(self, label: str) -> RunResult:
+        """The run whose label (recipe name) is ``label``."""
+        for r in self.runs:
+            if r.label == label:
+                return r
+        raise KeyError(f"no run labelled {label!r} in this report; it has {[r.label for r in self.runs]}")
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report as strict JSON text (schema in the module docstring)."""
+        data = dataclasses.asdict(self)
+        return json.dumps(_encode(data), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> CompareReport:
+        """Read a report written by ``to_json``; a wrong or newer schema is a ValueError saying so."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a mixprec report: invalid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError("not a mixprec report: the JSON is not an object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"report schema_version is {version!r}; this mixprec reads version "
+                             f"{SCHEMA_VERSION}: read it with the mixprec that wrote it, or re-run compare")
+        fields = _convert(data, _REPORT_FIELDS, "report")
+        runs = data["runs"]
+        if not isinstance(runs, list):
+            raise ValueError("report field 'runs' must be a list of run objects")
+        fields["runs"] = tuple(RunResult(**_convert(r, _RUN_FIELDS, f"runs[{i}]"))
+                               for i, r in enumerate(runs))
+        return cls(**fields)
+
+
+# --------------------------------------------------------------------------------------- table
+def render_table(report: CompareReport) -> Table:
+    """The comparison as a rich Table: one row per recipe, a speedup column when fp32 ran."""
+    baseline = next((r for r in report.runs if r.label == _BASELINE), None)
+    # No vertical rules and no edge padding: seven columns fit an 80-column log or pipe unwrapped.
+    table = Table(title=f"{report.workload} on {report.device} ({report.device_name}): {report.steps} "
+                        f"steps x batch {report.batch_size}, seed {report.seed}",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("recipe", no_wrap=True)
+    table.add_column("train loss", justify="right", no_wrap=True)
+    table.add_column(f"test {_short(report.metric)}", justify="right", no_wrap=True)
+    table.add_column("samples/s", justify="right", no_wrap=True)
+    if baseline is not None:
+        table.add_column(f"vs {_BASELINE}", justify="right", no_wrap=True)
+    table.add_column("skipped", justify="right", no_wrap=True)
+    table.add_column("loss scale", justify="right", no_wrap=True)
+    names = short_names((r.recipe, r.label) for r in report.runs)
+    for r in report.runs:
+        row = [names[r.recipe], f"{r.final_loss:.4f}", _metric_text(report.metric, r.test_metric),
+               f"{r.samples_per_s:,.0f}" if math.isfinite(r.samples_per_s) else "-"]
+        if baseline is not None:
+            ratio = r.samples_per_s / baseline.samples_per_s if baseline.samples_per_s > 0 else math.nan
+            row.append(f"{ratio:.2f}x" if math.isfinite(ratio) else "-")
+        row += [str(r.skipped_steps), _scale_text(r)]
+        table.add_row(*row)
+    return table
+
+
+def render_notes(report: CompareReport) -> list[str]:
+    """One-line notes to print under the table: what each custom recipe is, and caveats."""
+    names = short_names((r.recipe, r.label) for r in report.runs)
+    notes = [f"{names[r.recipe]}: {r.recipe}" for r in report.runs if names[r.recipe] != r.label]
+    if report.device.startswith("cpu"):
+        notes.append("note: speed on CPU does not predict GPU tensor-core speed (16-bit matmuls are often "
+                     "slower than fp32 on CPUs); the accuracy and memory figures still carry over")
+    return notes
+
+
+def short_names(recipes: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """``(recipe string, label)`` pairs -> the name each recipe goes by in tables and progress bars.
+
+    A named recipe goes by its name. A custom recipe's label is its full string, too wide for a
+    column: it becomes ``custom-1``, ``custom-2``, ... and ``render_notes`` spells each one out.
+    """
+    names, custom = {}, 0
+    for recipe, label in recipes:
+        if label == recipe:
+            custom += 1
+            names[recipe] = f"custom-{custom}"
+        else:
+            names[recipe] = label
+    return names
+
+
+def _short(metric: str) -> str:
+    return "acc" if metric == "accuracy" else metric
+
+
+def _metric_text(metric: str, value: float) -> str:
+    return f"{100 * value:.1f}%" if metric == "accuracy" and math.isfinite(value) else f"{value:.4g}"
+
+
+def _scale_text(r: RunResult) -> str:
+    # A recipe without loss scaling has S = 1 throughout; "none" says why better than "1".
+    if get_recipe(r.recipe).loss_scale.kind == "none":
+        return "none"
+    return f"{r.final_scale:g}"
+
+
+# ---------------------------------------------------------------------------------------- JSON
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _encode(value: Any) -> Any:
+    """Non-finite floats as strings, tuples as lists: strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, str) and value in _NONFINITE:
+        return _NONFINITE[value]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _floats(value: Any) -> tuple[float, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of numbers, got {type(value).__name__}")
+    return tuple(_float(v) for v in value)
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of integers, got {type(value).__name__}")
+    return tuple(_int(v) for v in value)
+
+
+# Field -> converter from its JSON value; the keys must match the dataclasses' fields exactly.
+_REPORT_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "schema_version": _int, "workload": _str, "metric": _str, "device": _str, "device_name": _str,
+    "threads": _int, "torch_version": _str, "mixprec_version": _str, "steps": _int, "batch_size": _int,
+    "seed": _int,
+}
+_RUN_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "recipe": _str, "label": _str, "final_loss": _float, "test_metric": _float,
+    "samples_per_s": _float, "skipped_steps": _int, "final_scale": _float, "losses": _floats,
+    "scales": _floats, "skipped_at": _ints, "wall_s": _float,
+}
+assert set(_REPORT_FIELDS) | {"runs"} == {f.name for f in dataclasses.fields(CompareReport)}
+assert set(_RUN_FIELDS) == {f.name for f in dataclasses.fields(RunResult)}
+
+
+def _convert(data: Any, converters: dict[str, Callable[[Any], Any]], where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(data).__name__}")
+    expected = set(converters) | ({"runs"} if converters is _REPORT_FIELDS else set())
+    missing, unknown = sorted(expected - data.keys()), sorted(data.keys() - expected)
+    if missing or unknown:
+        raise ValueError(f"{where} does not match schema version {SCHEMA_VERSION}: missing {missing}, "
+                         f"unknown {unknown}")
+    out = {}
+    for key, convert in converters.items():
+        try:
+            out[key] = convert(data[key])
+        except ValueError as e:
+            raise ValueError(f"{where}.{key}: {e}") from None
+    return out

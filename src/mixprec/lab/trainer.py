@@ -1,0 +1,178 @@
+"""Train one workload under one recipe and record what happened, as a typed ``RunResult``.
+
+Every recipe starts from the same place: the model is built under ``torch.manual_seed(seed)`` (inside
+``fork_rng``, so the caller's generator is untouched) and then prepared for the recipe, and the
+minibatches come in one order fixed by ``seed``. Differences between runs are the recipe's doing::
+
+    result = train(get_workload("mlp"), "bf16", steps=500, seed=0)
+    result.test_metric, result.samples_per_s, result.losses[:3]
+
+Syncs: the loop keeps each step's loss, loss scale and skip flag as device tensors and reads them once
+at the end, so the timed loop syncs only where the engine does (the generic optimizer path, once a step)
+and when ``on_progress`` is called (every ``progress_every`` steps, to read the loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..engine import MixedPrecision
+from ..recipe import Recipe, get_recipe
+from .workloads import Workload
+
+__all__ = ["TrainProgress", "RunResult", "train", "batch_order", "warmup_steps", "check_steps"]
+
+# Steps left out of the samples/s timing: the first ones allocate memory, pick kernels and (on CUDA)
+# autotune; they say nothing about steady-state speed.
+_MAX_WARMUP = 10
+# The final train loss is the mean over this fraction of the last steps: one minibatch's loss is noisy.
+_FINAL_LOSS_FRACTION = 0.1
+_EVAL_BATCH = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainProgress:
+    """A snapshot handed to ``on_progress`` while a run trains."""
+
+    step: int                # steps done so far; 0 once, as the run starts
+    steps: int               # steps in the run
+    loss: float              # the last step's train loss; NaN before the first
+    samples_per_s: float     # since the warm-up ended; NaN while still warming up
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What one run under one recipe did. Plain numbers and tuples: it goes into JSON as it is."""
+
+    recipe: str                      # the full recipe string, str(Recipe): parse_recipe reads it back
+    label: str                       # the recipe's name where it has one: for tables and plots
+    final_loss: float                # mean train loss over the last 10% of steps
+    test_metric: float               # the workload's metric on the test set, e.g. accuracy as a fraction
+    samples_per_s: float             # training throughput, warm-up steps excluded
+    skipped_steps: int               # steps skipped for inf/NaN gradients
+    final_scale: float               # the loss scale after the last step (1.0 without loss scaling)
+    losses: tuple[float, ...]        # train loss per step, before that step's update
+    scales: tuple[float, ...]        # loss scale after each step's update
+    skipped_at: tuple[int, ...]      # 0-based indices of the skipped steps
+    wall_s: float                    # seconds for the whole run: build, train, evaluate
+
+
+def check_steps(steps: object) -> int:
+    """``steps`` if it is a positive int, else a ValueError/TypeError that says what to pass."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"steps must be an integer, got {type(steps).__name__}")
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}: pass e.g. --steps 500")
+    return steps
+
+
+def warmup_steps(steps: int) -> int:
+    """How many of ``steps`` are left out of the timing: 10% of them, at most 10."""
+    return min(_MAX_WARMUP, steps // 10)
+
+
+def batch_order(n: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
+    """Row indices for every step, ``(steps, batch_size)`` int64: one shuffle per epoch, seeded.
+
+    Epochs are concatenated before cutting into batches, so a batch may straddle two epochs; within
+    an epoch every row is seen once.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    epochs = math.ceil(steps * batch_size / n)
+    flat = torch.cat([torch.randperm(n, generator=generator) for _ in range(epochs)])
+    return flat[: steps * batch_size].view(steps, batch_size)
+
+
+def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch.device | str = "cpu",
+          seed: int = 0, on_progress: Callable[[TrainProgress], None] | None = None,
+          progress_every: int = 10) -> RunResult:
+    """Train ``workload`` under ``recipe`` for ``steps`` steps from seed-fixed weights; evaluate; report.
+
+    Raises ValueError if the recipe cannot run on ``device`` (MixedPrecision checks). Syncs with the
+    host at the end and on every progress report.
+    """
+    recipe = get_recipe(recipe)
+    steps = check_steps(steps)
+    device = torch.device(device)
+    t_begin = time.perf_counter()
+
+    data = workload.load_data().to(device)
+    order = batch_order(len(data.y_train), workload.batch_size, steps, seed).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = workload.build_model()   # on the CPU: the same initial weights whatever the device
+    model.to(device)
+    optimizer = workload.make_optimizer(model.parameters())
+    mp = MixedPrecision(model, optimizer, recipe, seed=seed)
+
+    warmup = warmup_steps(steps)
+    losses_t, scales_t, skipped_t = [], [], []
+    model.train()
+    if on_progress is not None:
+        on_progress(TrainProgress(0, steps, math.nan, math.nan))   # the run starts now
+    t_timed = time.perf_counter()
+    for step in range(steps):
+        if step == warmup:
+            _synchronize(device)
+            t_timed = time.perf_counter()
+        idx = order[step]                                     # (B,)
+        with mp.autocast():
+            loss = workload.loss_fn(model(data.x_train[idx]), data.y_train[idx])
+        mp.backward(loss)
+        result = mp.step()
+        mp.zero_grad()
+        losses_t.append(loss.detach())
+        scales_t.append(result.scale_t)
+        skipped_t.append(result.skipped_t)
+        done = step + 1
+        if on_progress is not None and (done % progress_every == 0 or done == steps):
+            loss_now = float(losses_t[-1])                    # syncs: the clock below is then honest
+            elapsed = time.perf_counter() - t_timed
+            timed = done - warmup
+            rate = timed * workload.batch_size / elapsed if timed > 0 and elapsed > 0 else math.nan
+            on_progress(TrainProgress(done, steps, loss_now, rate))
+    _synchronize(device)
+    train_s = time.perf_counter() - t_timed
+
+    test_metric = _evaluate(workload, model, mp, data.x_test, data.y_test)
+    losses = tuple(torch.stack(losses_t).float().tolist())
+    scales = tuple(torch.stack(scales_t).tolist())
+    skipped_at = tuple(torch.nonzero(torch.stack(skipped_t)).flatten().tolist())
+    tail = losses[-max(1, round(steps * _FINAL_LOSS_FRACTION)):]
+    return RunResult(
+        recipe=str(recipe), label=recipe.label,
+        final_loss=math.fsum(tail) / len(tail),
+        test_metric=test_metric,
+        samples_per_s=(steps - warmup) * workload.batch_size / train_s if train_s > 0 else math.nan,
+        skipped_steps=mp.skipped_steps, final_scale=mp.scale,
+        losses=losses, scales=scales, skipped_at=skipped_at,
+        wall_s=time.perf_counter() - t_begin,
+    )
+
+
+@torch.no_grad()
+def _evaluate(workload: Workload, model: nn.Module, mp: MixedPrecision, x: torch.Tensor,
+              y: torch.Tensor) -> float:
+    """The workload's metric on ``(x, y)``, computed in the recipe's autocast, as it would be served."""
+    model.eval()
+    try:
+        with mp.autocast():
+            outputs = torch.cat([model(x[i:i + _EVAL_BATCH]) for i in range(0, len(x), _EVAL_BATCH)])
+    finally:
+        model.train()
+    # Low-compute recipes already hand back fp32 outputs (casting hooks); fp32 here keeps metrics exact.
+    return workload.metric(outputs.float(), y)
+
+
+def _synchronize(device: torch.device) -> None:
+    # Accelerator kernels run asynchronously: wait for them before reading the clock.
+    if device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        if backend is not None and hasattr(backend, "synchronize"):
+            backend.synchronize(device)

@@ -1,0 +1,174 @@
+"""``mixprec compare`` end to end, in a subprocess as a user runs it; assertions read the JSON report.
+
+One short compare run (30 steps) is shared by the report tests; each error case starts its own process
+and must fail before any training, with one line on stderr and exit status 2.
+"""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from mixprec.lab.report import SCHEMA_VERSION, CompareReport, render_notes, render_table
+from mixprec.lab.trainer import RunResult, batch_order
+
+RECIPES = ["fp32", "fp16", "bf16", "fp16-pure"]
+STEPS = 30
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mixprec.lab.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def report_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("compare") / "report.json"
+    proc = _cli("compare", "--recipes", ",".join(RECIPES), "--steps", str(STEPS), "--device", "cpu",
+                "--seed", "0", "--json", str(path))
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def report_json(report_path):
+    return json.loads(report_path.read_text())
+
+
+# ------------------------------------------------------------------------------------ the report
+def test_report_holds_every_requested_recipe_in_order(report_json):
+    assert report_json["schema_version"] == SCHEMA_VERSION
+    assert [r["label"] for r in report_json["runs"]] == RECIPES
+    assert report_json["workload"] == "mlp"
+    assert report_json["device"] == "cpu"
+    assert report_json["steps"] == STEPS and report_json["seed"] == 0
+
+
+def test_numbers_are_finite_and_in_range(report_json):
+    for run in report_json["runs"]:
+        assert len(run["losses"]) == len(run["scales"]) == STEPS
+        assert all(isinstance(x, float) and math.isfinite(x) for x in run["losses"]), run["label"]
+        assert math.isfinite(run["final_loss"]) and run["final_loss"] > 0
+        assert 0.0 <= run["test_metric"] <= 1.0
+        assert run["samples_per_s"] > 0
+        assert run["skipped_steps"] == len(run["skipped_at"])
+        assert run["final_scale"] == run["scales"][-1]
+
+
+def test_training_learns(report_json):
+    # 30 Adam steps on the digits: the loss falls from ~2.3 (ln 10) and the MLP beats chance (10%) by far.
+    for run in report_json["runs"]:
+        assert run["losses"][0] == pytest.approx(math.log(10), abs=0.2)
+        assert run["final_loss"] < 0.5 * run["losses"][0], run["label"]
+        assert run["test_metric"] > 0.5, run["label"]
+
+
+def test_fp32_never_skips_and_has_no_loss_scale(report_json):
+    fp32 = report_json["runs"][0]
+    assert fp32["skipped_steps"] == 0 and fp32["skipped_at"] == []
+    assert set(fp32["scales"]) == {1.0}
+
+
+def test_fp16_recipes_use_the_dynamic_scale(report_json):
+    # Default dynamic scale: init 2**16, growth every 2000 clean steps: untouched in 30 clean steps.
+    for run in report_json["runs"]:
+        if run["label"] in ("fp16", "fp16-pure") and run["skipped_steps"] == 0:
+            assert run["final_scale"] == 2.0**16
+
+
+def test_every_recipe_starts_from_the_same_weights_and_data(report_json):
+    # The first loss is computed before any update: it differs only by the recipe's forward rounding
+    # (bf16 has 8 bits of mantissa: relative error ~2**-8 on the logits).
+    first = {r["label"]: r["losses"][0] for r in report_json["runs"]}
+    for label, loss in first.items():
+        assert loss == pytest.approx(first["fp32"], abs=1e-2), label
+
+
+def test_report_file_reads_back_into_an_equal_report(report_path):
+    report = CompareReport.from_json(report_path.read_text())
+    assert CompareReport.from_json(report.to_json()) == report
+    assert [r.label for r in report.runs] == RECIPES
+    assert render_table(report).row_count == len(RECIPES)
+    assert any("CPU" in note for note in render_notes(report))
+
+
+# ----------------------------------------------------------------------------------- the errors
+# Each case that would otherwise train passes --steps 1, so a missed check costs a second, not a minute.
+@pytest.mark.parametrize("args, word", [
+    (["compare", "--steps", "1", "--recipes", "fp17"], "fp17"),
+    (["compare", "--steps", "1", "--recipes", "fp32,params=fp8"], "params"),
+    (["compare", "--steps", "1", "--workload", "resnet9000"], "workload"),
+    (["compare", "--steps", "1", "--recipes", "fp32,tf32", "--device", "cpu"], "tf32"),
+    (["compare", "--steps", "0"], "steps"),
+    (["compare", "--steps", "-5"], "steps"),
+    (["compare", "--steps", "many"], "--steps"),
+    (["compare", "--steps", "1", "--device", "potato"], "device"),
+    (["compare", "--steps", "1", "--json", "/nonexistent-dir/sub/report.json"], "does not exist"),
+    (["frobnicate"], "frobnicate"),
+])
+def test_user_mistakes_print_one_line_and_exit_2(args, word):
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mixprec: error: ")
+    assert word in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_directory_as_json_path_is_refused_before_training(tmp_path):
+    proc = _cli("compare", "--steps", "1", "--json", str(tmp_path))
+    assert proc.returncode == 2
+    assert "directory" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ in-process pieces
+def _run(label, **changes):
+    run = RunResult(recipe="params=fp32,compute=fp32,master=none,scale=none", label=label,
+                    final_loss=0.25, test_metric=0.9, samples_per_s=1e4, skipped_steps=1, final_scale=1.0,
+                    losses=(2.3, 1.0, 0.1 + 0.2), scales=(1.0, 1.0, 1.0), skipped_at=(1,), wall_s=0.5)
+    return dataclasses.replace(run, **changes)
+
+
+def _report(*runs):
+    return CompareReport(workload="mlp", metric="accuracy", device="cpu", device_name="x86_64 CPU",
+                         threads=1, torch_version="2.x", mixprec_version="0.1.0", steps=3, batch_size=64,
+                         seed=0, runs=runs)
+
+
+def test_json_round_trip_is_exact_including_non_finite_losses():
+    report = _report(_run("fp32"), _run("fp16", losses=(2.3, math.inf, -math.inf), final_loss=math.inf))
+    text = report.to_json()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert CompareReport.from_json(text) == report
+
+
+def test_nan_survives_the_round_trip():
+    report = _report(_run("fp16", final_loss=math.nan))
+    assert math.isnan(CompareReport.from_json(report.to_json()).runs[0].final_loss)
+
+
+@pytest.mark.parametrize("mutate, word", [
+    (lambda d: d.update(schema_version=99), "schema_version"),
+    (lambda d: d["runs"][0].pop("losses"), "losses"),
+    (lambda d: d["runs"][0].update(skipped_steps="one"), "skipped_steps"),
+])
+def test_from_json_rejects_a_report_it_cannot_read(mutate, word):
+    data = json.loads(_report(_run("fp32")).to_json())
+    mutate(data)
+    with pytest.raises(ValueError, match=word):
+        CompareReport.from_json(json.dumps(data))
+
+
+def test_batch_order_is_seeded_and_covers_each_epoch_once():
+    order = batch_order(n=10, batch_size=4, steps=5, seed=3)   # 20 rows: two epochs of 10
+    assert order.shape == (5, 4)
+    assert sorted(order.flatten()[:10].tolist()) == list(range(10))
+    assert sorted(order.flatten()[10:].tolist()) == list(range(10))
+    assert order.equal(batch_order(n=10, batch_size=4, steps=5, seed=3))
+    assert not order.equal(batch_order(n=10, batch_size=4, steps=5, seed=4))
