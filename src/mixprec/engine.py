@@ -42,6 +42,19 @@ __all__ = ["MixedPrecision", "StepResult"]
 _CLIP_EPS = 1e-6
 
 
+def _global_norm_f32(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm in fp32, one read of every gradient; inf or NaN iff some gradient is.
+
+    On CUDA one multi-tensor ``_foreach_norm`` launch reads everything. On CPU a BLAS dot per tensor
+    reads at memory speed, where ``_foreach_norm`` was measured 1.7x slower (benchmarks/RESULTS.md).
+    A sum of squares overflows fp32 only for a norm above 1.8e19, which is treated as an overflow.
+    """
+    if grads[0].device.type != "cpu":
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    flat = [g.reshape(-1).float() for g in grads]
+    return torch.stack([torch.dot(g, g) for g in flat]).sum().sqrt()
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What one ``step()`` did. Fields are device tensors; the properties read them (each a host sync)."""
@@ -163,9 +176,7 @@ class MixedPrecision:
         if not grads:
             raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
         scale = self.loss_scale.value
-        # fp32 norms whatever the grad dtype: an fp16 norm of finite fp16 values could itself overflow.
-        scaled_norm = torch.linalg.vector_norm(
-            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        scaled_norm = _global_norm_f32(grads)
         found_inf = ~torch.isfinite(scaled_norm)
         # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
         grad_norm = scaled_norm / scale
