@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from mixprec.diagnostics.memory import MemoryBreakdown
 from mixprec.lab.report import SCHEMA_VERSION, CompareReport, render_notes, render_table
 from mixprec.lab.trainer import RunResult, batch_order
 
@@ -79,6 +80,24 @@ def test_fp16_recipes_use_the_dynamic_scale(report_json):
             assert run["final_scale"] == 2.0**16
 
 
+def test_memory_by_role_matches_the_mlp_worked_out_by_hand(report_json):
+    n = 64 * 256 + 256 + 256 * 10 + 10                       # the 64-256-10 MLP: 19,210 parameters
+    runs = {r["label"]: r["memory"] for r in report_json["runs"]}
+    assert runs["fp32"]["params"] == 4 * n and runs["fp32"]["master"] == 0
+    assert runs["fp32"]["optimizer"] == 8 * n + 4 * 4       # AdamW: two fp32 moments, 4 step counters
+    assert runs["fp16-pure"]["params"] == 2 * n and runs["fp16-pure"]["master"] == 4 * n
+    assert runs["fp16-pure"]["grads"] == 2 * n + 4 * n      # fp16 grads and their fp32 copies
+    assert runs["fp16"]["activations"] < runs["fp32"]["activations"]   # saved in fp16 under autocast
+    assert all(m["peak"] is None for m in runs.values())    # no CUDA allocator on the CPU
+
+
+def test_eval_curve_ends_with_the_test_metric(report_json):
+    for run in report_json["runs"]:
+        assert run["eval_steps"] == list(range(STEPS // 10, STEPS + 1, STEPS // 10))
+        assert len(run["eval_metrics"]) == len(run["eval_steps"])
+        assert run["eval_metrics"][-1] == run["test_metric"]
+
+
 def test_every_recipe_starts_from_the_same_weights_and_data(report_json):
     # The first loss is computed before any update: it differs only by the recipe's forward rounding
     # (bf16 has 8 bits of mantissa: relative error ~2**-8 on the logits).
@@ -131,7 +150,9 @@ def test_a_directory_as_json_path_is_refused_before_training(tmp_path):
 def _run(label, **changes):
     run = RunResult(recipe="params=fp32,compute=fp32,master=none,scale=none", label=label,
                     final_loss=0.25, test_metric=0.9, samples_per_s=1e4, skipped_steps=1, final_scale=1.0,
-                    losses=(2.3, 1.0, 0.1 + 0.2), scales=(1.0, 1.0, 1.0), skipped_at=(1,), wall_s=0.5)
+                    losses=(2.3, 1.0, 0.1 + 0.2), scales=(1.0, 1.0, 1.0), skipped_at=(1,), wall_s=0.5,
+                    eval_steps=(2, 3), eval_metrics=(0.5, 0.9),
+                    memory=MemoryBreakdown(params=400, grads=400, optimizer=816, activations=1234))
     return dataclasses.replace(run, **changes)
 
 
@@ -149,7 +170,7 @@ def test_json_round_trip_is_exact_including_non_finite_losses():
 
 
 def test_nan_survives_the_round_trip():
-    report = _report(_run("fp16", final_loss=math.nan))
+    report = _report(_run("fp16", final_loss=math.nan), _run("gpu", memory=MemoryBreakdown(peak=10**9)))
     assert math.isnan(CompareReport.from_json(report.to_json()).runs[0].final_loss)
 
 
@@ -157,6 +178,7 @@ def test_nan_survives_the_round_trip():
     (lambda d: d.update(schema_version=99), "schema_version"),
     (lambda d: d["runs"][0].pop("losses"), "losses"),
     (lambda d: d["runs"][0].update(skipped_steps="one"), "skipped_steps"),
+    (lambda d: d["runs"][0]["memory"].pop("peak"), "memory"),
 ])
 def test_from_json_rejects_a_report_it_cannot_read(mutate, word):
     data = json.loads(_report(_run("fp32")).to_json())

@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     compare.add_argument("--seed", type=int, default=0,
                          help="fixes the initial weights and minibatch order (default: 0)")
+    compare.add_argument("--eval-every", type=int, default=None, metavar="K",
+                         help="measure the test metric every K steps (default: ten times per run)")
     compare.add_argument("--json", metavar="PATH", type=Path, default=None,
                          help="also write the report as JSON to PATH")
     compare.add_argument("--threads", type=int, default=None,
@@ -142,7 +144,7 @@ def _compare(args: argparse.Namespace) -> int:
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         plan = plan_compare(args.workload, _recipe_words(args.recipes), steps=args.steps,
-                            device=args.device, seed=args.seed)
+                            device=args.device, seed=args.seed, eval_every=args.eval_every)
         if args.json is not None:
             _check_writable(args.json)
     except (ValueError, TypeError) as e:

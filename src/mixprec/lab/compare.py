@@ -38,20 +38,26 @@ class ComparePlan:
     device: torch.device
     steps: int
     seed: int
+    eval_every: int | None = None
 
 
 def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recipe] = DEFAULT_RECIPES, *,
                  steps: int | None = None, device: str | torch.device | None = "auto",
-                 seed: int = 0) -> ComparePlan:
+                 seed: int = 0, eval_every: int | None = None) -> ComparePlan:
     """Check everything a compare run needs before any training; ValueError/TypeError name the fix.
 
-    ``steps=None`` takes the workload's default. Recipes given twice run once.
+    ``steps=None`` takes the workload's default. ``eval_every=None`` evaluates every tenth of the run.
+    Recipes given twice run once.
     """
     if not isinstance(workload, Workload):
         workload = get_workload(workload)
     steps = workload.default_steps if steps is None else check_steps(steps)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if eval_every is None:
+        eval_every = max(1, steps // 10)
+    elif isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        raise ValueError(f"eval-every must be a positive number of steps, got {eval_every!r}")
     device = device if isinstance(device, torch.device) else resolve_device(device)
     if isinstance(recipes, (str, Recipe)):
         recipes = [recipes]
@@ -67,7 +73,7 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
             runnable = [n for n, r in RECIPES.items() if supports(r, device).ok]
             raise ValueError(f"recipe {recipe.label!r} cannot run on {device}: {support.reason} "
                              f"(recipes {device.type} can run: {', '.join(runnable)})")
-    return ComparePlan(workload, tuple(parsed.values()), device, steps, seed)
+    return ComparePlan(workload, tuple(parsed.values()), device, steps, seed, eval_every)
 
 
 def run_compare(plan: ComparePlan,
@@ -78,12 +84,14 @@ def run_compare(plan: ComparePlan,
     for i, recipe in enumerate(plan.recipes):
         callback = None if on_progress is None else (lambda p, i=i: on_progress(i, p))
         runs.append(train(plan.workload, recipe, steps=plan.steps, device=plan.device, seed=plan.seed,
-                          on_progress=callback))
+                          on_progress=callback, eval_every=plan.eval_every))
     return CompareReport(
         workload=plan.workload.name, metric=plan.workload.metric_name, device=str(plan.device),
         device_name=_device_name(plan.device), threads=torch.get_num_threads(),
         torch_version=torch.__version__, mixprec_version=__version__, steps=plan.steps,
-        batch_size=plan.workload.batch_size, seed=plan.seed, runs=tuple(runs))
+        batch_size=plan.workload.batch_size, seed=plan.seed, runs=tuple(runs),
+        tokens_per_sample=getattr(plan.workload, "tokens_per_sample", 0),
+        higher_is_better=getattr(plan.workload, "higher_is_better", True))
 
 
 def _device_name(device: torch.device) -> str:

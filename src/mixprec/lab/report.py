@@ -15,6 +15,8 @@ JSON schema, version 1 (one object; floats that are not finite are written as th
     mixprec_version  str
     steps            int      optimizer steps per run (skipped ones included)
     batch_size       int
+    tokens_per_sample int     tokens in one sample (sequence length) for language models, else 0
+    higher_is_better bool     whether a larger test_metric is better (accuracy) or worse (a loss)
     seed             int      fixes the initial weights and the minibatch order, the same for every run
     runs             list     one object per recipe, in the order run:
       recipe         str      the full recipe string (mixprec.parse_recipe reads it back)
@@ -29,6 +31,11 @@ JSON schema, version 1 (one object; floats that are not finite are written as th
       skipped_at     [int]    0-based indices of the skipped steps
       wall_s         float    seconds for the run: build, train, evaluate (the first run also
                               pays torch's one-time lazy imports, about a second)
+      eval_steps     [int]    steps after which the test metric was measured (the last step included)
+      eval_metrics   [float]  the test metric at each of eval_steps
+      memory         object   bytes by role, measured on the first step:
+        params, grads, master, optimizer, activations   int
+        peak         int|null the CUDA allocator's peak over the run; null on other devices
 
 Reading a report back gives an equal one: ``CompareReport.from_json(report.to_json()) == report``.
 """
@@ -44,10 +51,12 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from ..diagnostics.memory import MemoryBreakdown
 from ..recipe import get_recipe
 from .trainer import RunResult
 
-__all__ = ["SCHEMA_VERSION", "CompareReport", "render_table", "render_notes", "short_names"]
+__all__ = ["SCHEMA_VERSION", "CompareReport", "render_table", "render_notes", "short_names", "memory_figure",
+           "format_bytes"]
 
 SCHEMA_VERSION = 1
 _BASELINE = "fp32"
@@ -68,6 +77,8 @@ class CompareReport:
     batch_size: int
     seed: int
     runs: tuple[RunResult, ...]
+    tokens_per_sample: int = 0
+    higher_is_better: bool = True
     schema_version: int = SCHEMA_VERSION
 
     def run(self, label: str) -> RunResult:
@@ -111,25 +122,50 @@ def render_table(report: CompareReport) -> Table:
     # No vertical rules and no edge padding: seven columns fit an 80-column log or pipe unwrapped.
     table = Table(title=f"{report.workload} on {report.device} ({report.device_name}): {report.steps} "
                         f"steps x batch {report.batch_size}, seed {report.seed}",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("recipe", no_wrap=True)
-    table.add_column("train loss", justify="right", no_wrap=True)
+    table.add_column("loss", justify="right", no_wrap=True)
     table.add_column(f"test {_short(report.metric)}", justify="right", no_wrap=True)
-    table.add_column("samples/s", justify="right", no_wrap=True)
+    rate = "tokens/s" if report.tokens_per_sample else "samples/s"
+    per = report.tokens_per_sample or 1
+    table.add_column(rate, justify="right", no_wrap=True)
     if baseline is not None:
-        table.add_column(f"vs {_BASELINE}", justify="right", no_wrap=True)
-    table.add_column("skipped", justify="right", no_wrap=True)
-    table.add_column("loss scale", justify="right", no_wrap=True)
+        table.add_column("speed", justify="right", no_wrap=True)
+    table.add_column("memory", justify="right", no_wrap=True)
+    if baseline is not None:
+        table.add_column("mem", justify="right", no_wrap=True)
+    table.add_column("skips", justify="right", no_wrap=True)
+    table.add_column("scale", justify="right", no_wrap=True)
     names = short_names((r.recipe, r.label) for r in report.runs)
     for r in report.runs:
         row = [names[r.recipe], f"{r.final_loss:.4f}", _metric_text(report.metric, r.test_metric),
-               f"{r.samples_per_s:,.0f}" if math.isfinite(r.samples_per_s) else "-"]
+               f"{r.samples_per_s * per:,.0f}" if math.isfinite(r.samples_per_s) else "-"]
         if baseline is not None:
-            ratio = r.samples_per_s / baseline.samples_per_s if baseline.samples_per_s > 0 else math.nan
-            row.append(f"{ratio:.2f}x" if math.isfinite(ratio) else "-")
+            row.append(_ratio(r.samples_per_s, baseline.samples_per_s))
+        row.append(format_bytes(memory_figure(r)))
+        if baseline is not None:
+            row.append(_ratio(memory_figure(r), memory_figure(baseline)))
         row += [str(r.skipped_steps), _scale_text(r)]
         table.add_row(*row)
     return table
+
+
+def memory_figure(run: RunResult) -> int:
+    """The one memory number a table shows: the CUDA peak where measured, else the counted total."""
+    return run.memory.peak if run.memory.peak is not None else run.memory.total
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in decimal units (MB = 10**6 bytes, as the seeds count)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _ratio(value: float, baseline: float) -> str:
+    ratio = value / baseline if baseline > 0 else math.nan
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "-"
 
 
 def render_notes(report: CompareReport) -> list[str]:
@@ -139,6 +175,10 @@ def render_notes(report: CompareReport) -> list[str]:
     if report.device.startswith("cpu"):
         notes.append("note: speed on CPU does not predict GPU tensor-core speed (16-bit matmuls are often "
                      "slower than fp32 on CPUs); the accuracy and memory figures still carry over")
+    if any(r.memory.peak is None for r in report.runs):
+        notes.append("loss: mean train loss over the last 10% of steps; memory: weights + gradients + "
+                     "master copies + optimizer state + activations saved for backward, counted on the "
+                     "first step; speed and mem: ratios to fp32")
     return notes
 
 
@@ -214,6 +254,20 @@ def _floats(value: Any) -> tuple[float, ...]:
     return tuple(_float(v) for v in value)
 
 
+def _memory(value: Any) -> MemoryBreakdown:
+    names = [f.name for f in dataclasses.fields(MemoryBreakdown)]
+    if not isinstance(value, dict) or set(value) != set(names):
+        raise ValueError(f"expected an object with exactly {names}, got {value!r}")
+    return MemoryBreakdown(**{k: (None if k == "peak" and value[k] is None else _int(value[k]))
+                              for k in names})
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def _ints(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise ValueError(f"expected a list of integers, got {type(value).__name__}")
@@ -224,12 +278,13 @@ def _ints(value: Any) -> tuple[int, ...]:
 _REPORT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "schema_version": _int, "workload": _str, "metric": _str, "device": _str, "device_name": _str,
     "threads": _int, "torch_version": _str, "mixprec_version": _str, "steps": _int, "batch_size": _int,
-    "seed": _int,
+    "seed": _int, "tokens_per_sample": _int, "higher_is_better": _bool,
 }
 _RUN_FIELDS: dict[str, Callable[[Any], Any]] = {
     "recipe": _str, "label": _str, "final_loss": _float, "test_metric": _float,
     "samples_per_s": _float, "skipped_steps": _int, "final_scale": _float, "losses": _floats,
-    "scales": _floats, "skipped_at": _ints, "wall_s": _float,
+    "scales": _floats, "skipped_at": _ints, "wall_s": _float, "eval_steps": _ints,
+    "eval_metrics": _floats, "memory": _memory,
 }
 assert set(_REPORT_FIELDS) | {"runs"} == {f.name for f in dataclasses.fields(CompareReport)}
 assert set(_RUN_FIELDS) == {f.name for f in dataclasses.fields(RunResult)}

@@ -14,6 +14,7 @@ and when ``on_progress`` is called (every ``progress_every`` steps, to read the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..diagnostics.memory import MemoryBreakdown, SavedTensorMeter, state_bytes
 from ..engine import MixedPrecision
 from ..recipe import Recipe, get_recipe
 from .workloads import Workload
@@ -61,6 +63,9 @@ class RunResult:
     scales: tuple[float, ...]        # loss scale after each step's update
     skipped_at: tuple[int, ...]      # 0-based indices of the skipped steps
     wall_s: float                    # seconds for the whole run: build, train, evaluate
+    eval_steps: tuple[int, ...]      # steps after which the test metric was measured (the last included)
+    eval_metrics: tuple[float, ...]  # the test metric at each of eval_steps
+    memory: MemoryBreakdown          # bytes by role, measured on the first step; CUDA peak for the run
 
 
 def check_steps(steps: object) -> int:
@@ -91,15 +96,23 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
 
 def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch.device | str = "cpu",
           seed: int = 0, on_progress: Callable[[TrainProgress], None] | None = None,
-          progress_every: int = 10) -> RunResult:
+          progress_every: int = 10, eval_every: int | None = None) -> RunResult:
     """Train ``workload`` under ``recipe`` for ``steps`` steps from seed-fixed weights; evaluate; report.
 
+    ``eval_every=K`` also measures the test metric after every K steps (the clock pauses meanwhile);
+    the final evaluation always happens. Memory by role is measured on the first step (saved-tensor
+    hooks for activations, tensor sizes for the rest) and, on CUDA, the allocator's peak for the run.
     Raises ValueError if the recipe cannot run on ``device`` (MixedPrecision checks). Syncs with the
-    host at the end and on every progress report.
+    host at the end, on every progress report and at each evaluation.
     """
     recipe = get_recipe(recipe)
     steps = check_steps(steps)
+    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int)
+                                   or eval_every < 1):
+        raise ValueError(f"eval_every must be a positive number of steps, got {eval_every!r}")
     device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     t_begin = time.perf_counter()
 
     data = workload.load_data().to(device)
@@ -113,6 +126,9 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
 
     warmup = warmup_steps(steps)
     losses_t, scales_t, skipped_t = [], [], []
+    eval_steps, eval_metrics = [], []
+    memory = MemoryBreakdown()
+    paused_s = 0.0                                            # evaluation time, kept off the clock
     model.train()
     if on_progress is not None:
         on_progress(TrainProgress(0, steps, math.nan, math.nan))   # the run starts now
@@ -122,25 +138,39 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
             _synchronize(device)
             t_timed = time.perf_counter()
         idx = order[step]                                     # (B,)
-        with mp.autocast():
-            loss = workload.loss_fn(model(data.x_train[idx]), data.y_train[idx])
-        mp.backward(loss)
+        with SavedTensorMeter(model, mp.master.masters if mp.master else []) if step == 0 \
+                else contextlib.nullcontext() as meter:
+            with mp.autocast():
+                loss = workload.loss_fn(model(data.x_train[idx]), data.y_train[idx])
+            mp.backward(loss)
         result = mp.step()
+        if step == 0:   # after the step: gradients, fp32 copies and optimizer state all exist now
+            memory = dataclasses.replace(state_bytes(mp), activations=meter.bytes)
         mp.zero_grad()
         losses_t.append(loss.detach())
         scales_t.append(result.scale_t)
         skipped_t.append(result.skipped_t)
         done = step + 1
+        if eval_every is not None and done % eval_every == 0 and done != steps:
+            _synchronize(device)                              # training work queued so far is training
+            t_pause = time.perf_counter()
+            eval_steps.append(done)
+            eval_metrics.append(_evaluate(workload, model, mp, data.x_test, data.y_test))
+            paused_s += time.perf_counter() - t_pause if done > warmup else 0.0
         if on_progress is not None and (done % progress_every == 0 or done == steps):
             loss_now = float(losses_t[-1])                    # syncs: the clock below is then honest
-            elapsed = time.perf_counter() - t_timed
+            elapsed = time.perf_counter() - t_timed - paused_s
             timed = done - warmup
             rate = timed * workload.batch_size / elapsed if timed > 0 and elapsed > 0 else math.nan
             on_progress(TrainProgress(done, steps, loss_now, rate))
     _synchronize(device)
-    train_s = time.perf_counter() - t_timed
+    train_s = time.perf_counter() - t_timed - paused_s
 
     test_metric = _evaluate(workload, model, mp, data.x_test, data.y_test)
+    eval_steps.append(steps)
+    eval_metrics.append(test_metric)
+    if device.type == "cuda":
+        memory = dataclasses.replace(memory, peak=torch.cuda.max_memory_allocated(device))
     losses = tuple(torch.stack(losses_t).float().tolist())
     scales = tuple(torch.stack(scales_t).tolist())
     skipped_at = tuple(torch.nonzero(torch.stack(skipped_t)).flatten().tolist())
@@ -153,6 +183,7 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
         skipped_steps=mp.skipped_steps, final_scale=mp.scale,
         losses=losses, scales=scales, skipped_at=skipped_at,
         wall_s=time.perf_counter() - t_begin,
+        eval_steps=tuple(eval_steps), eval_metrics=tuple(eval_metrics), memory=memory,
     )
 
 

@@ -1,0 +1,103 @@
+"""Where training memory goes: weights, gradients, master copies, optimizer state, saved activations.
+
+Counted from the tensors themselves, so the story holds on every device (on CUDA the allocator's peak
+is recorded beside it). Each storage is counted once, however many tensors view it::
+
+    with SavedTensorMeter(model) as meter:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+    meter.bytes           # activations autograd kept for backward
+    state_bytes(mp)       # MemoryBreakdown of parameters, gradients, masters, optimizer state
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes by role. ``peak`` is the CUDA allocator's peak for the run, ``None`` on other devices."""
+
+    params: int = 0          # the model's weights and buffers as held (fp16 in pure recipes)
+    grads: int = 0           # gradients of the model's weights, plus the fp32 copies' gradients
+    master: int = 0          # fp32 master weights held between steps
+    optimizer: int = 0       # optimizer state (Adam's moments, momentum buffers, step counters)
+    activations: int = 0     # tensors autograd saved for backward in one step
+    peak: int | None = None
+
+    @property
+    def total(self) -> int:
+        """The sum of the counted parts (not the allocator's peak)."""
+        return self.params + self.grads + self.master + self.optimizer + self.activations
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once)."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(engine) -> MemoryBreakdown:
+    """Memory held by ``engine``'s model, gradients, master copies and optimizer, right now.
+
+    Call it after ``step()`` and before ``zero_grad()`` to see the gradients too. Reads only tensor
+    metadata: no sync, no copy.
+    """
+    model: nn.Module = engine.model
+    masters = list(engine.master.masters) if engine.master is not None else []
+    params = list(model.parameters()) + list(model.buffers())
+    grads = [p.grad for p in model.parameters()] + [m.grad for m in masters]
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return MemoryBreakdown(
+        params=storage_bytes(params),
+        grads=storage_bytes(grads),
+        master=storage_bytes(masters) if engine.master is not None and engine.master.keep else 0,
+        optimizer=storage_bytes(state),
+    )
+
+
+class SavedTensorMeter:
+    """Counts the bytes autograd saves for backward while the context is open.
+
+    Weights are not activations: storages of ``exclude`` (a module's parameters, fp32 copies) are
+    left out. Autocast's low-precision copies of fp32 weights *are* counted: they are made for and
+    kept by this step's backward.
+    """
+
+    def __init__(self, *exclude: nn.Module | Iterable[torch.Tensor]) -> None:
+        self._excluded: set[int] = set()
+        for item in exclude:
+            tensors = item.parameters() if isinstance(item, nn.Module) else item
+            self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+        self._saved: dict[tuple[torch.device, int], int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._excluded:
+                self._saved[(t.device, storage.data_ptr())] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._saved.values())
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
