@@ -31,7 +31,7 @@ from torch import nn
 
 from .casting import cast_model, low_precision_params
 from .devices import supports
-from .loss_scale import DynamicLossScale, LossScale, make_loss_scale
+from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
 from .master import MasterWeights
 from .recipe import Precision, Recipe, get_recipe
 
@@ -180,7 +180,9 @@ class MixedPrecision:
         found_inf = ~torch.isfinite(scaled_norm)
         # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
         grad_norm = scaled_norm / scale
-        divisor = scale                          # optimizer must see grad / divisor
+        # The optimizer must see grad / divisor. Without a loss scale or clipping that is grad itself:
+        # no division at all (S = 1 exactly, a Python-level fact of NoLossScale).
+        divisor = None if isinstance(self.loss_scale, NoLossScale) else scale
         if self.clip_grad_norm is not None:
             clip = (self.clip_grad_norm / (grad_norm + _CLIP_EPS)).clamp(max=1.0)
             divisor = scale / clip
@@ -196,8 +198,9 @@ class MixedPrecision:
         else:
             stepped = not bool(found_inf)   # the one host sync of the generic path
             if stepped:
-                # Every gradient the optimizer holds is fp32 here: pure recipes step on fp32 copies.
-                torch._foreach_mul_(grads, 1.0 / divisor)
+                if divisor is not None:
+                    # Every gradient the optimizer holds is fp32 here: pure recipes step on fp32 copies.
+                    torch._foreach_mul_(grads, 1.0 / divisor)
                 self.optimizer.step()
             else:
                 # An LR scheduler stepping next to us would warn that optimizer.step() was never
