@@ -194,3 +194,78 @@ def test_batch_order_is_seeded_and_covers_each_epoch_once():
     assert sorted(order.flatten()[10:].tolist()) == list(range(10))
     assert order.equal(batch_order(n=10, batch_size=4, steps=5, seed=3))
     assert not order.equal(batch_order(n=10, batch_size=4, steps=5, seed=4))
+
+
+# ------------------------------------------------------------------------- --out and mixprec report
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "new" / "dir"          # created by --out, parents too
+    proc = _cli("compare", "--recipes", "fp32,bf16", "--steps", "20", "--device", "cpu", "--threads", "1",
+                "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert f"report written to {out / 'report.json'}" in proc.stderr
+    assert f"HTML page written to {out / 'report.html'}" in proc.stderr
+    return out
+
+
+def test_compare_out_writes_the_json_report_and_its_page(out_dir):
+    report = CompareReport.from_json((out_dir / "report.json").read_text())
+    assert [r.label for r in report.runs] == ["fp32", "bf16"] and report.steps == 20
+    page = (out_dir / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert all(f'id="plot-{p}"' in page for p in ("loss", "eval", "scale", "throughput", "memory"))
+
+
+def test_report_rerenders_the_same_page_from_the_json(out_dir, tmp_path):
+    other = tmp_path / "other.html"
+    proc = _cli("report", str(out_dir / "report.json"), "--out", str(other))
+    assert proc.returncode == 0, proc.stderr
+    assert other.read_bytes() == (out_dir / "report.html").read_bytes()
+    assert "fp32" in proc.stdout and "bf16" in proc.stdout            # the table, on stdout
+    assert f"HTML page written to {other}" in proc.stderr
+
+
+def test_report_writes_beside_the_json_by_default(out_dir, tmp_path):
+    (tmp_path / "run.json").write_text((out_dir / "report.json").read_text())
+    proc = _cli("report", str(tmp_path / "run.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run.html").read_bytes() == (out_dir / "report.html").read_bytes()
+
+
+@pytest.mark.parametrize("case, word", [
+    ("missing", "cannot read"),
+    ("not-json", "invalid JSON"),
+    ("wrong-schema", "schema_version"),
+    ("bad-recipe", "runs[0].recipe"),
+    ("out-dir-missing", "does not exist"),
+    ("out-is-a-directory", "is a directory"),
+])
+def test_report_refuses_bad_input_with_one_line(case, word, tmp_path):
+    good = _report(_run("fp32")).to_json()
+    path, out = tmp_path / "run.json", tmp_path / "page.html"
+    path.write_text({"not-json": "{not json", "wrong-schema": good.replace('"schema_version": 1',
+                                                                         '"schema_version": 99'),
+                     "bad-recipe": good.replace("params=fp32,compute=fp32", "params=fp17,compute=fp32"),
+                     }.get(case, good))
+    if case == "missing":
+        path.unlink()
+    if case == "out-dir-missing":
+        out = tmp_path / "no" / "such" / "page.html"
+    if case == "out-is-a-directory":
+        out = tmp_path
+    proc = _cli("report", str(path), "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mixprec: error: ") and word in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "page.html").exists()
+
+
+def test_compare_out_that_is_a_file_is_refused_before_training(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("something else\n")
+    proc = _cli("compare", "--steps", "1", "--out", str(target))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is a file" in lines[0], proc.stderr
+    assert target.read_text() == "something else\n"

@@ -3,10 +3,13 @@
     mixprec compare                                  # mlp under fp32, fp16, bf16, fp16-pure
     mixprec compare --recipes fp32,bf16 --steps 300 --device cpu --json runs/compare.json
     mixprec compare --recipes fp32 params=bf16,compute=bf16,rounding=stochastic
+    mixprec compare --steps 200 --out runs/today      # runs/today/report.json and report.html
+    mixprec report runs/today/report.json --out page.html   # the page again, from the JSON alone
 
-Progress goes to stderr, the table to stdout, the report (data) to ``--json``. A user mistake prints one
-line, ``mixprec: error: <what and how to fix it>``, and exits with status 2; everything is checked
-before any training starts.
+Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
+HTML page beside it), and the paths written to stderr. A user mistake prints one line,
+``mixprec: error: <what and how to fix it>``, and exits with status 2; everything is checked before any
+training starts.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import __version__
+from ..recipe import get_recipe
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 from .report import CompareReport, render_notes, render_table, short_names
 from .trainer import TrainProgress
@@ -90,11 +94,23 @@ def _parser() -> argparse.ArgumentParser:
                          help="measure the test metric every K steps (default: ten times per run)")
     compare.add_argument("--json", metavar="PATH", type=Path, default=None,
                          help="also write the report as JSON to PATH")
+    compare.add_argument("--out", metavar="DIR", type=Path, default=None,
+                         help="write DIR/report.json and DIR/report.html (a self-contained page with "
+                              "plots); DIR is created if missing")
     compare.add_argument("--threads", type=int, default=None,
                          help="torch CPU threads (default: torch's own choice; 1 keeps the small built-in "
                               "workloads steady on a machine where other processes hold cores)")
     compare.set_defaults(handler=_compare)
-    # doctor, inspect and report join here as their lab modules land.
+
+    report = commands.add_parser(
+        "report", help="render the HTML page of a JSON report written by compare",
+        description="Read a JSON report written by 'mixprec compare' (with --out or --json), write "
+                    "its self-contained HTML page (no network needed to view it) and print its table.")
+    report.add_argument("json", metavar="RUN.json", type=Path, help="the JSON report to render")
+    report.add_argument("--out", metavar="PAGE.html", type=Path, default=None,
+                        help="where to write the page (default: RUN.json's path with .html)")
+    report.set_defaults(handler=_report)
+    # doctor and inspect join here as their lab modules land.
     return parser
 
 
@@ -146,7 +162,12 @@ def _compare(args: argparse.Namespace) -> int:
         plan = plan_compare(args.workload, _recipe_words(args.recipes), steps=args.steps,
                             device=args.device, seed=args.seed, eval_every=args.eval_every)
         if args.json is not None:
-            _check_writable(args.json)
+            _check_writable(args.json, "--json")
+        if args.out is not None:
+            _make_out_dir(args.out)
+            for name in ("report.json", "report.html"):
+                _check_writable(args.out / name, "--out",
+                                fix="remove it or choose another --out directory")
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from e
 
@@ -158,14 +179,31 @@ def _compare(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(saved_threads)
 
-    if args.json is not None:
-        args.json.write_text(report.to_json() + "\n")
-        print(f"report written to {args.json}", file=sys.stderr)
+    json_paths = [args.json] if args.json is not None else []
+    if args.out is not None:
+        json_paths.append(args.out / "report.json")
+    for path in json_paths:
+        path.write_text(report.to_json() + "\n")
+        print(f"report written to {path}", file=sys.stderr)
+    if args.out is not None:
+        _write_page(report, args.out / "report.html")
+    _print_table(report)
+    return 0
+
+
+def _print_table(report: CompareReport) -> None:
     out = Console(highlight=False)
     out.print(render_table(report))
     for note in render_notes(report):
         out.print(note, soft_wrap=True)
-    return 0
+
+
+def _write_page(report: CompareReport, path: Path) -> None:
+    # Imported here: matplotlib takes most of a second to import, and only pages need it.
+    from .html import render_html
+    # Bytes, not text: no newline translation, so a page re-rendered from the JSON is byte-identical.
+    path.write_bytes(render_html(report).encode("utf-8"))
+    print(f"HTML page written to {path}", file=sys.stderr)
 
 
 def _run_with_progress(plan: ComparePlan, console: Console) -> CompareReport:
@@ -187,22 +225,66 @@ def _run_with_progress(plan: ComparePlan, console: Console) -> CompareReport:
         return run_compare(plan, on_progress)
 
 
-def _check_writable(path: Path) -> None:
-    """Fail now, not after training, if the report cannot be written to ``path``."""
+# ----------------------------------------------------------------------------------------- report
+def _report(args: argparse.Namespace) -> int:
+    """Re-render a JSON report: its HTML page, and its table on stdout."""
+    out = args.out if args.out is not None else args.json.with_suffix(".html")
+    try:
+        if out.resolve() == args.json.resolve():
+            raise ValueError(f"--out {out} is the report itself; give the page another name, e.g. "
+                             f"--out {args.json.with_name(args.json.stem + '-page.html')}")
+        try:
+            text = args.json.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read {args.json} ({e.strerror}); give the path of a report written "
+                             "by 'mixprec compare --out DIR' (DIR/report.json) or '--json PATH'") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{args.json} is not a mixprec report: it is not UTF-8 text") from None
+        report = CompareReport.from_json(text)
+        for i, run in enumerate(report.runs):
+            try:
+                get_recipe(run.recipe)
+            except ValueError as e:
+                raise ValueError(f"{args.json}: runs[{i}].recipe: {e}") from None
+        _check_writable(out, "--out", fix=f"give a file path, e.g. --out {out / 'report.html'}")
+    except (ValueError, TypeError) as e:
+        raise _UsageError(str(e)) from e
+    _write_page(report, out)
+    _print_table(report)
+    return 0
+
+
+def _make_out_dir(path: Path) -> None:
+    """Create ``--out``'s directory (and its parents) now, so a bad path fails before training."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} is a file; give a directory for report.json and report.html, "
+                         f"e.g. --out {path.with_suffix('')}-report")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create the directory ({e.strerror}); choose a path in a "
+                         "writable directory") from None
+
+
+def _check_writable(path: Path, option: str, fix: str | None = None) -> None:
+    """Fail now, not after training, if ``option``'s file cannot be written to ``path``.
+
+    ``fix`` says what to do when ``path`` is a directory (default: name a file in it).
+    """
     if path.is_dir():
-        raise ValueError(f"--json {path} is a directory; give a file path, e.g. "
-                         f"--json {path / 'compare.json'}")
+        fix = fix or f"give a file path, e.g. {option} {path / 'compare.json'}"
+        raise ValueError(f"{option} {path} is a directory; {fix}")
     parent = path.parent
     if not parent.is_dir():
-        raise ValueError(f"--json {path}: directory {parent} does not exist; create it (mkdir -p {parent}) "
-                         "or choose another path")
+        raise ValueError(f"{option} {path}: directory {parent} does not exist; create it "
+                         f"(mkdir -p {parent}) or choose another path")
     existed = path.exists()
     try:
         # Open for append: proves we may write there without truncating an existing file now.
         with open(path, "a"):
             pass
     except OSError as e:
-        raise ValueError(f"--json {path} is not writable ({e.strerror}); choose a path in a writable "
+        raise ValueError(f"{option} {path} is not writable ({e.strerror}); choose a path in a writable "
                          "directory") from None
     if not existed:
         os.unlink(path)

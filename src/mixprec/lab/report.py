@@ -55,11 +55,11 @@ from ..diagnostics.memory import MemoryBreakdown
 from ..recipe import get_recipe
 from .trainer import RunResult
 
-__all__ = ["SCHEMA_VERSION", "CompareReport", "render_table", "render_notes", "short_names", "memory_figure",
-           "format_bytes"]
+__all__ = ["SCHEMA_VERSION", "BASELINE", "CompareReport", "render_table", "render_notes", "short_names",
+           "memory_figure", "format_bytes", "ratio_text"]
 
 SCHEMA_VERSION = 1
-_BASELINE = "fp32"
+BASELINE = "fp32"          # the run that speed and memory ratios compare against
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ class CompareReport:
 # --------------------------------------------------------------------------------------- table
 def render_table(report: CompareReport) -> Table:
     """The comparison as a rich Table: one row per recipe, a speedup column when fp32 ran."""
-    baseline = next((r for r in report.runs if r.label == _BASELINE), None)
+    baseline = next((r for r in report.runs if r.label == BASELINE), None)
     # No vertical rules and no edge padding: seven columns fit an 80-column log or pipe unwrapped.
     table = Table(title=f"{report.workload} on {report.device} ({report.device_name}): {report.steps} "
                         f"steps x batch {report.batch_size}, seed {report.seed}",
@@ -141,10 +141,10 @@ def render_table(report: CompareReport) -> Table:
         row = [names[r.recipe], f"{r.final_loss:.4f}", _metric_text(report.metric, r.test_metric),
                f"{r.samples_per_s * per:,.0f}" if math.isfinite(r.samples_per_s) else "-"]
         if baseline is not None:
-            row.append(_ratio(r.samples_per_s, baseline.samples_per_s))
+            row.append(ratio_text(r.samples_per_s, baseline.samples_per_s))
         row.append(format_bytes(memory_figure(r)))
         if baseline is not None:
-            row.append(_ratio(memory_figure(r), memory_figure(baseline)))
+            row.append(ratio_text(memory_figure(r), memory_figure(baseline)))
         row += [str(r.skipped_steps), _scale_text(r)]
         table.add_row(*row)
     return table
@@ -163,7 +163,8 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _ratio(value: float, baseline: float) -> str:
+def ratio_text(value: float, baseline: float) -> str:
+    """``value / baseline`` as ``"1.23x"``; ``"-"`` where the ratio is not a finite number."""
     ratio = value / baseline if baseline > 0 else math.nan
     return f"{ratio:.2f}x" if math.isfinite(ratio) else "-"
 
