@@ -1,40 +1,95 @@
-"""Built-in workloads: a model, its data, its loss, its optimizer and how to score it, as one frozen value.
+"""Workloads: a model, its data, its loss, its optimizer and how to score it, as one frozen value.
 
 A workload is everything the trainer needs to train one model the same way under every recipe. Data is
 loaded when asked for (never at import) and cached for the process; the train/test split is fixed, so
-accuracies compare across seeds and recipes::
+metrics compare across seeds and recipes. Three kinds, one lookup::
 
     >>> w = get_workload("mlp")
     >>> data = w.load_data()
     >>> tuple(data.x_train.shape), tuple(data.x_test.shape)
     ((1437, 64), (360, 64))
-    >>> get_workload("resnet")
+    >>> get_workload("resnet")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown workload 'resnet'; valid workloads: mlp
+    ValueError: unknown workload 'resnet'; built-in: mlp, cnn, gpt; benchmarks (...): resnet50, gpt2; ...
+
+- ``WORKLOADS``, real data that trains in seconds on a CPU: ``mlp`` (the seed's MLP on scikit-learn's
+  8x8 digits), ``cnn`` (a small ResNet with BatchNorm on the same digits), ``gpt`` (a character-level
+  nanoGPT on the Python documentation that ships with CPython, ``pydoc_data.topics``: no download).
+- ``BENCHMARKS``, synthetic data at realistic sizes, for speed and memory on a GPU: ``resnet50``
+  (ResNet-50, 224x224 images, batch 256, like seed 001's ``--benchmark 1``) and ``gpt2`` (GPT-2 small,
+  124M parameters, 1024 tokens, batch 12). Their metric is the loss on a random batch: it says nothing
+  about accuracy, only that the numbers stayed finite.
+- Your own, named ``package.module:function``: see ``load_user_workload``. The function takes no
+  arguments and returns either a ``Workload`` or, simpler, a dict::
+
+      # my_workloads.py; then: mixprec compare --workload my_workloads:tiny
+      import torch, torch.nn.functional as F
+      from mixprec.lab.workloads import Split
+
+      def tiny():
+          g = torch.Generator().manual_seed(0)
+          x = torch.randn(600, 16, generator=g)
+          y = (x @ torch.randn(16, 3, generator=g)).argmax(dim=1)   # 3 classes by a fixed linear rule
+          return {
+              "model": torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3)),
+              "data": Split(x[:500], y[:500], x[500:], y[500:]),   # train inputs, targets; test ones
+              "loss": F.cross_entropy,                               # loss(outputs, targets) -> scalar
+              "optimizer": lambda params: torch.optim.AdamW(params, lr=1e-3),
+              # optional: "metric" (default accuracy), "metric_name", "higher_is_better", "batch_size"
+              # (64), "steps" (500), "tokens_per_sample" (0), "summary"
+          }
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import difflib
 import functools
-from collections.abc import Callable, Iterable
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Split", "Workload", "WORKLOADS", "get_workload", "accuracy"]
+from .models import GPT, GPTConfig, ResNet50, SmallResNet
+
+__all__ = ["Split", "Workload", "WORKLOADS", "BENCHMARKS", "get_workload", "load_user_workload",
+           "accuracy", "cross_entropy", "mean_cross_entropy", "pydoc_text", "char_vocab", "text_windows",
+           "synthetic_split"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """Train and test tensors: inputs float32, targets int64 class indices."""
+    """Train and test tensors, rows aligned: the trainer draws minibatches by indexing rows.
 
-    x_train: torch.Tensor   # (N_train, ...) float32
-    y_train: torch.Tensor   # (N_train,) int64
-    x_test: torch.Tensor    # (N_test, ...) float32
-    y_test: torch.Tensor    # (N_test,) int64
+    Inputs are float32 features or images, or int64 token ids (mixprec casts floating inputs only, so
+    token ids stay int64 under every recipe); targets are int64 class indices, or next-token ids.
+    """
+
+    x_train: torch.Tensor   # (N_train, ...) float32, or (N_train, T) int64 token ids
+    y_train: torch.Tensor   # (N_train,) int64, or (N_train, T) int64
+    x_test: torch.Tensor    # (N_test, ...)
+    y_test: torch.Tensor    # (N_test, ...)
+
+    def __post_init__(self) -> None:
+        for name in ("x_train", "y_train", "x_test", "y_test"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"Split.{name} must be a torch.Tensor, got {type(value).__name__}; "
+                                f"convert it, e.g. torch.as_tensor({name})")
+        for part in ("train", "test"):
+            x, y = getattr(self, f"x_{part}"), getattr(self, f"y_{part}")
+            if x.dim() == 0 or y.dim() == 0 or len(x) != len(y) or len(x) == 0:
+                raise ValueError(f"Split.x_{part} and y_{part} must hold the same number of rows (>= 1), "
+                                 f"one per sample; got shapes {tuple(x.shape)} and {tuple(y.shape)}")
 
     def to(self, device: torch.device | str) -> Split:
         """The same split on ``device`` (the built-in data sets are small enough to live there whole)."""
@@ -47,7 +102,10 @@ class Workload:
 
     ``build_model`` must draw its initial weights from torch's global generator only, so seeding that
     generator before the call fixes them. ``make_optimizer`` takes the model's parameters.
-    ``metric(outputs, targets)`` scores the test set (higher is better); ``metric_name`` labels it.
+    ``metric(outputs, targets)`` scores the test set, ``metric_name`` labels it and ``higher_is_better``
+    says which way is good (accuracy: True; a loss: False). ``tokens_per_sample`` is T for a language
+    model (tokens/s = samples/s * T), 0 otherwise. ``synthetic`` marks random data: a speed benchmark
+    whose metric only shows that the numbers stayed finite.
     """
 
     name: str
@@ -60,11 +118,17 @@ class Workload:
     metric_name: str
     batch_size: int
     default_steps: int
+    higher_is_better: bool = True
+    tokens_per_sample: int = 0
+    synthetic: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.default_steps < 1:
             raise ValueError(f"workload {self.name!r} needs batch_size and default_steps >= 1, got "
                              f"{self.batch_size} and {self.default_steps}")
+        if self.tokens_per_sample < 0:
+            raise ValueError(f"workload {self.name!r}: tokens_per_sample must be >= 0 (0: not a language "
+                             f"model), got {self.tokens_per_sample}")
 
 
 def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -72,7 +136,25 @@ def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float((logits.argmax(dim=-1) == targets).float().mean())
 
 
-# ----------------------------------------------------------------------------------------- mlp
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (nats) over every position: ``(..., V)`` logits against ``(...)`` targets.
+
+    ``(B, V)`` class logits and ``(B, T, V)`` next-token logits alike: the leading dimensions are
+    flattened, so each token counts once.
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """``cross_entropy`` as a metric (lower is better; exp of it is the perplexity). Syncs with the host."""
+    return float(cross_entropy(logits.float(), targets))
+
+
+def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=1e-4)
+
+
+# ------------------------------------------------------------------------------- mlp and cnn
 # The seed's 2-layer MLP (seed 002 trains one on MNIST), on the 8x8 digits that ship with
 # scikit-learn: 1797 real handwritten digits, no download.
 
@@ -98,37 +180,349 @@ def _digits() -> Split:
                  torch.from_numpy(x_test), torch.from_numpy(y_test))
 
 
+@functools.cache
+def _digit_images() -> Split:
+    d = _digits()   # the same rows, as (N, 1, 8, 8) one-channel images
+    return Split(d.x_train.view(-1, 1, 8, 8), d.y_train, d.x_test.view(-1, 1, 8, 8), d.y_test)
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(_DIGITS_FEATURES, _MLP_HIDDEN), nn.ReLU(),
                          nn.Linear(_MLP_HIDDEN, _DIGITS_CLASSES))
-
-
-def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-3, weight_decay=1e-4)
 
 
 MLP = Workload(
     name="mlp",
     summary=f"2-layer MLP ({_DIGITS_FEATURES}-{_MLP_HIDDEN}-{_DIGITS_CLASSES}, ReLU) on scikit-learn's "
             "8x8 handwritten digits (1437 train / 360 test)",
-    build_model=_mlp,
-    load_data=_digits,
-    loss_fn=F.cross_entropy,
-    make_optimizer=_adamw,
-    metric=accuracy,
-    metric_name="accuracy",
-    batch_size=64,
-    default_steps=500,
+    build_model=_mlp, load_data=_digits, loss_fn=F.cross_entropy, make_optimizer=_adamw,
+    metric=accuracy, metric_name="accuracy", batch_size=64, default_steps=500,
 )
 
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (MLP,)}
+CNN = Workload(
+    name="cnn",
+    summary="small ResNet (3 residual blocks, 8 BatchNorms, 38k parameters) on the same 8x8 digits as "
+            "(N, 1, 8, 8) images; pure recipes keep its BatchNorms fp32",
+    build_model=SmallResNet, load_data=_digit_images, loss_fn=F.cross_entropy, make_optimizer=_adamw,
+    metric=accuracy, metric_name="accuracy", batch_size=64, default_steps=500,
+)
+
+
+# ----------------------------------------------------------------------------------------- gpt
+# Character-level language modelling on CPython's pydoc topics: ~465k characters of real English and
+# Python, ~100 distinct characters (the exact text and vocabulary follow the Python version).
+
+_GPT_BLOCK = 64              # T: characters of context
+_GPT_TRAIN_STRIDE = 16       # overlapping train windows: each character is seen at 4 positions of a
+                             # window, much as random offsets would give, at 1/16 the memory of all
+_GPT_TRAIN_FRACTION = 0.9    # the first 90% of the text trains, the last 10% validates
+
+
+def pydoc_text() -> str:
+    """CPython's pydoc topics (what ``help("if")`` prints), in sorted-key order, one blank line apart."""
+    from pydoc_data.topics import topics   # ships with every CPython; imported only when asked for
+    return "\n".join(topics[key] for key in sorted(topics))
+
+
+def char_vocab(text: str) -> str:
+    """The distinct characters of ``text``, sorted: token id ``i`` stands for ``vocab[i]``."""
+    return "".join(sorted(set(text)))
+
+
+def text_windows(ids: torch.Tensor, block_size: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut ``(L,)`` token ids into inputs and next-token targets, ``(N, T)`` each.
+
+    ``x[i] = ids[i*stride : i*stride + T]`` and ``y[i] = ids[i*stride + 1 : i*stride + T + 1]``, for
+    every window that fits: ``N = (L - T - 1) // stride + 1``. With ``stride == T`` the targets tile
+    the text once.
+    """
+    windows = ids.unfold(0, block_size + 1, stride)    # (N, T + 1), a view
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+@functools.cache
+def _pydoc_chars() -> tuple[str, str]:
+    text = pydoc_text()
+    return text, char_vocab(text)
+
+
+@functools.cache
+def _pydoc_windows() -> Split:
+    text, vocab = _pydoc_chars()
+    index = {ch: i for i, ch in enumerate(vocab)}
+    ids = torch.tensor([index[ch] for ch in text], dtype=torch.int64)    # (L,)
+    n_train = int(len(ids) * _GPT_TRAIN_FRACTION)
+    x_train, y_train = text_windows(ids[:n_train], _GPT_BLOCK, _GPT_TRAIN_STRIDE)
+    x_val, y_val = text_windows(ids[n_train:], _GPT_BLOCK, _GPT_BLOCK)  # each val character scored once
+    return Split(x_train, y_train, x_val, y_val)
+
+
+def _char_gpt() -> nn.Module:
+    vocab_size = len(_pydoc_chars()[1])
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=_GPT_BLOCK, n_layer=2, n_head=4, n_embd=64))
+
+
+def _gpt_adamw(params: Iterable[nn.Parameter], lr: float = 3e-3) -> torch.optim.Optimizer:
+    # nanoGPT's grouping: weight decay on matrices (linears, embeddings), none on biases and norms.
+    params = list(params)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99))
+
+
+GPT_CHAR = Workload(
+    name="gpt",
+    summary=f"character-level nanoGPT (2 pre-LN blocks, 4 heads, width 64, context {_GPT_BLOCK}) on "
+            "CPython's pydoc topics (first 90% trains, last 10% validates); metric: validation loss, "
+            "nats per character",
+    build_model=_char_gpt, load_data=_pydoc_windows, loss_fn=cross_entropy, make_optimizer=_gpt_adamw,
+    metric=mean_cross_entropy, metric_name="loss", higher_is_better=False, batch_size=32,
+    default_steps=600, tokens_per_sample=_GPT_BLOCK,
+)
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (MLP, CNN, GPT_CHAR)}
+
+
+# ---------------------------------------------------------------------------------- benchmarks
+# Random data at the sizes people train at, for speed and memory on a GPU. The train set is a few
+# batches (the trainer indexes rows, so any step reads real-sized batches), from a fixed generator.
+
+_BENCH_SEED = 0
+_RESNET50_BATCH = 256        # seed 001: train_imagenet.py --benchmark 1 --batch-size 256
+_IMAGE_SIZE = 224
+_IMAGENET_CLASSES = 1000
+_GPT2_BATCH = 12             # nanoGPT's GPT-2 batch per step (before gradient accumulation)
+_GPT2_BLOCK = 1024
+_GPT2_VOCAB = 50257          # GPT-2's BPE vocabulary: the ids that occur in the data
+# A tensor-core lesson: 50257 is odd, so the (B*T, C) x (C, V) LM-head matmul, the largest in the
+# model, breaks the rule that 16-bit tensor-core GEMMs want every dimension a multiple of 8 (16 for
+# fp8), and its last tile runs partly empty. nanoGPT pads the embedding and head to 50304 = 786 * 64
+# rows; the 47 extra rows are never a target, so their logits just learn to stay low.
+_GPT2_VOCAB_PADDED = 50304
+_BENCH_BATCHES = 2           # the synthetic train set holds this many batches; the test set is smaller
+_BENCH_STEPS = 100           # the trainer times the last 90: the first 10 allocate and pick kernels
+
+
+def synthetic_split(x_train_shape: tuple[int, ...], n_test: int, *, classes: int,
+                    tokens: bool = False, seed: int = _BENCH_SEED) -> Split:
+    """Random data from a fixed generator: images with a random class each, or random token sequences.
+
+    Images: ``x`` is N(0, 1) float32 (as normalised pixels are), ``y`` a class in ``[0, classes)``.
+    Tokens (``tokens=True``, ``x_train_shape = (N, T)``): a random sequence of T + 1 ids per row, ``x``
+    its first T and ``y`` its last T, as a language model would see it.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n_train, sample_shape = x_train_shape[0], x_train_shape[1:]
+    if tokens:
+        (T,) = sample_shape
+        seqs = torch.randint(0, classes, (n_train + n_test, T + 1), generator=g)   # (N, T + 1)
+        x, y = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+    else:
+        x = torch.randn(n_train + n_test, *sample_shape, generator=g)              # (N, ...)
+        y = torch.randint(0, classes, (n_train + n_test,), generator=g)
+    return Split(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+def _resnet50_data() -> Split:
+    return synthetic_split((_BENCH_BATCHES * _RESNET50_BATCH, 3, _IMAGE_SIZE, _IMAGE_SIZE), 64,
+                           classes=_IMAGENET_CLASSES)   # 0.35 GB of fp32 pixels
+
+
+def _gpt2_data() -> Split:
+    # 4 test rows: the trainer scores them in one forward, (4, 1024, 50304) fp32 logits = 0.8 GB.
+    return synthetic_split((_BENCH_BATCHES * _GPT2_BATCH, _GPT2_BLOCK), 4, classes=_GPT2_VOCAB, tokens=True)
+
+
+def _gpt2_small() -> nn.Module:
+    return GPT(GPTConfig(vocab_size=_GPT2_VOCAB_PADDED, block_size=_GPT2_BLOCK, n_layer=12, n_head=12,
+                         n_embd=768))
+
+
+def _sgd_fused(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    # Fused: the engine hands the loss scale and overflow flag to the kernel, no host sync per step.
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4, fused=True)
+
+
+def _adamw_fused(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+
+RESNET50 = Workload(
+    name="resnet50",
+    summary=f"ResNet-50 (25.6M parameters) on random {_IMAGE_SIZE}x{_IMAGE_SIZE} images, batch "
+            f"{_RESNET50_BATCH}: speed and memory (metric: loss on a random batch)",
+    build_model=ResNet50, load_data=functools.cache(_resnet50_data), loss_fn=F.cross_entropy,
+    make_optimizer=_sgd_fused, metric=mean_cross_entropy, metric_name="loss", higher_is_better=False,
+    batch_size=_RESNET50_BATCH, default_steps=_BENCH_STEPS, synthetic=True,
+)
+
+GPT2 = Workload(
+    name="gpt2",
+    summary=f"GPT-2 small (124M parameters, vocabulary padded to {_GPT2_VOCAB_PADDED}) on random token "
+            f"ids, {_GPT2_BLOCK} tokens x batch {_GPT2_BATCH}: speed and memory (metric: loss on a "
+            "random batch)",
+    build_model=_gpt2_small, load_data=functools.cache(_gpt2_data), loss_fn=cross_entropy,
+    make_optimizer=_adamw_fused, metric=mean_cross_entropy, metric_name="loss", higher_is_better=False,
+    batch_size=_GPT2_BATCH, default_steps=_BENCH_STEPS, tokens_per_sample=_GPT2_BLOCK, synthetic=True,
+)
+
+BENCHMARKS: dict[str, Workload] = {w.name: w for w in (RESNET50, GPT2)}
 
 
 def get_workload(name: str) -> Workload:
-    """The built-in workload called ``name``; an unknown name lists the valid ones."""
+    """The workload ``name`` names: built-in, benchmark, or ``package.module:function`` (the user's own).
+
+    Built-in and benchmark names are distinct, so one word picks either; an unknown one lists them all.
+    """
     if not isinstance(name, str):
         raise TypeError(f"workload must be a name such as 'mlp', got {type(name).__name__}")
+    if ":" in name:
+        return load_user_workload(name)
+    key = name.strip().lower()
+    if key in WORKLOADS:
+        return WORKLOADS[key]
+    if key in BENCHMARKS:
+        return BENCHMARKS[key]
+    raise ValueError(f"unknown workload {name!r}; built-in: {', '.join(WORKLOADS)}; benchmarks (synthetic "
+                     f"data, for GPUs): {', '.join(BENCHMARKS)}; or your own as package.module:function")
+
+
+# ----------------------------------------------------------------------------- user workloads
+_REQUIRED = ("model", "data", "loss", "optimizer")
+_OPTIONAL = ("metric", "metric_name", "higher_is_better", "batch_size", "steps", "tokens_per_sample",
+             "summary")
+_PROTOCOL = ("return a mixprec.lab.workloads.Workload, or a dict with 'model' (an nn.Module, or a "
+             "function that builds one), 'data' (a Split), 'loss' (loss(outputs, targets) -> tensor) and "
+             "'optimizer' (a function of the parameters, e.g. lambda params: torch.optim.AdamW(params, "
+             "lr=1e-3))")
+
+
+def load_user_workload(spec: str) -> Workload:
+    """Import ``package.module``, call its ``function()`` and return the ``Workload`` it describes.
+
+    The module is imported as ``python -m`` would, the current directory first. The function takes no
+    arguments and returns a ``Workload`` as it is, or a dict (see the module docstring). In the dict:
+    a model *instance* is deep-copied for every run, so every recipe starts from its exact weights
+    (``--seed`` then fixes only the batch order); a model *function* is called for every run under the
+    seed. Anything else is a ValueError/TypeError that names ``spec`` and what to return instead.
+    """
+    module_name, _, fn_name = spec.strip().partition(":")
+    if not module_name or not fn_name.isidentifier():
+        raise ValueError(f"workload {spec!r}: expected package.module:function, e.g. my_workloads:tiny, "
+                         "naming a function that takes no arguments")
     try:
-        return WORKLOADS[name.strip().lower()]
-    except KeyError:
-        raise ValueError(f"unknown workload {name!r}; valid workloads: {', '.join(WORKLOADS)}") from None
+        with _cwd_on_path():
+            module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise   # the module exists but one of its own imports failed: the user's traceback helps
+        raise ValueError(f"workload {spec!r}: no module named {module_name!r} in {os.getcwd()} or on "
+                         "sys.path; run from the directory that holds it, set PYTHONPATH, or pip install "
+                         "its package") from None
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        public = sorted(n for n, v in vars(module).items() if inspect.isfunction(v)
+                        and v.__module__ == module.__name__ and not n.startswith("_"))
+        raise ValueError(f"workload {spec!r}: module {module_name!r} has no {fn_name!r}; its functions: "
+                         f"{', '.join(public) or 'none'}")
+    if not callable(fn):
+        raise TypeError(f"workload {spec!r}: {fn_name!r} is {_a(fn)}, not a function; "
+                        f"{_PROTOCOL}")
+    try:
+        required = [p.name for p in inspect.signature(fn).parameters.values()
+                    if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):   # builtins without a signature: let the call decide
+        required = []
+    if required:
+        raise TypeError(f"workload {spec!r}: {fn_name}() must take no arguments, it requires {required}; "
+                        "give them defaults or wrap it in a function without parameters")
+    value = fn()
+    if isinstance(value, Workload):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"workload {spec!r}: {fn_name}() returned {_a(value)}; {_PROTOCOL}")
+    return _workload_from_dict(spec, value)
+
+
+def _workload_from_dict(spec: str, d: dict[str, Any]) -> Workload:
+    where = f"workload {spec!r}"
+    unknown = [k for k in d if k not in _REQUIRED + _OPTIONAL]
+    if unknown:
+        hints = {k: difflib.get_close_matches(str(k), _REQUIRED + _OPTIONAL, n=1) for k in unknown}
+        said = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "")
+                         for k in unknown)
+        raise ValueError(f"{where}: unknown keys {said}; the keys are {', '.join(_REQUIRED + _OPTIONAL)}")
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise ValueError(f"{where}: the dict lacks {missing}; {_PROTOCOL}")
+
+    model, data = d["model"], d["data"]
+    if isinstance(model, nn.Module):
+        pristine = model
+        build_model: Callable[[], nn.Module] = lambda: copy.deepcopy(pristine)
+    elif callable(model):
+        with torch.random.fork_rng(devices=[]):   # a trial build must not move the caller's generator
+            pristine = model()
+        if not isinstance(pristine, nn.Module):
+            raise TypeError(f"{where}: 'model' is a function that returned {_a(pristine)}; "
+                            "it must return a torch.nn.Module")
+        build_model = model
+    else:
+        raise TypeError(f"{where}: 'model' is {_a(model)}; give a torch.nn.Module or a "
+                        "function that builds one")
+    if not isinstance(data, Split):
+        raise TypeError(f"{where}: 'data' is {_a(data)}; give "
+                        "mixprec.lab.workloads.Split(x_train, y_train, x_test, y_test)")
+    if isinstance(d["optimizer"], torch.optim.Optimizer):
+        raise TypeError(f"{where}: 'optimizer' is an optimizer already built; give the function that builds "
+                        f"one from the parameters, e.g. lambda params: "
+                        f"torch.optim.{type(d['optimizer']).__name__}(params, lr=1e-3)")
+    for key in ("loss", "optimizer", "metric"):
+        if key in d and not callable(d[key]):
+            raise TypeError(f"{where}: {key!r} is {_a(d[key])}, not a function")
+    optimizer = d["optimizer"](pristine.parameters())   # a trial: it must build an optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{where}: 'optimizer'(params) returned {_a(optimizer)}; it must return "
+                        "a torch.optim.Optimizer, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)")
+    _check_types(where, d, {"metric_name": str, "summary": str, "higher_is_better": bool})
+    for key in ("batch_size", "steps", "tokens_per_sample"):
+        v = d.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "tokens_per_sample" else 1):
+            raise ValueError(f"{where}: {key!r} must be an integer >= "
+                             f"{0 if key == 'tokens_per_sample' else 1}, got {v!r}")
+    metric = d.get("metric", accuracy)
+    n_params = sum(p.numel() for p in pristine.parameters())
+    return Workload(
+        name=spec.strip(),
+        summary=d.get("summary", f"{type(pristine).__name__} ({n_params:,} parameters) from {spec.strip()}, "
+                                 f"{len(data.y_train)} train / {len(data.y_test)} test rows"),
+        build_model=build_model, load_data=lambda: data, loss_fn=d["loss"], make_optimizer=d["optimizer"],
+        metric=metric, metric_name=d.get("metric_name", getattr(metric, "__name__", "metric")),
+        higher_is_better=d.get("higher_is_better", True), batch_size=d.get("batch_size", 64),
+        default_steps=d.get("steps", 500), tokens_per_sample=d.get("tokens_per_sample", 0),
+    )
+
+
+def _check_types(where: str, d: dict[str, Any], types: dict[str, type]) -> None:
+    for key, kind in types.items():
+        if key in d and not isinstance(d[key], kind):
+            raise TypeError(f"{where}: {key!r} must be {_a(kind)}, got {_a(d[key])}")
+
+
+def _a(value: object) -> str:
+    """'None', or the value's type (or the type itself) with its article: 'a list', 'an int'."""
+    if value is None:
+        return "None"
+    name = value.__name__ if isinstance(value, type) else type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+@contextlib.contextmanager
+def _cwd_on_path() -> Iterator[None]:
+    """The current directory first on ``sys.path`` for the block, as ``python -m`` has it; restored after."""
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
