@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mixprec
 from mixprec import MixedPrecision, parse_recipe
 from mixprec import engine as engine_module
 

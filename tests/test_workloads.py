@@ -15,8 +15,9 @@ import mixprec
 from mixprec.lab import workloads as W
 from mixprec.lab.models import GPT, GPTConfig, ResNet50, SmallResNet
 from mixprec.lab.trainer import train
+from mixprec.lab.user_workloads import load_user_workload
 from mixprec.lab.workloads import (BENCHMARKS, WORKLOADS, Split, Workload, char_vocab, get_workload,
-                                   load_user_workload, pydoc_text, synthetic_split, text_windows)
+                                   pydoc_text, synthetic_split, text_windows)
 
 TESTS = Path(__file__).parent
 

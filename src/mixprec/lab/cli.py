@@ -30,7 +30,7 @@ from ..recipe import get_recipe
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 from .report import CompareReport, render_notes, render_table, short_names
 from .trainer import TrainProgress
-from .workloads import WORKLOADS
+from .workloads import BENCHMARKS, WORKLOADS
 
 __all__ = ["main"]
 
@@ -79,8 +79,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a built-in workload under each recipe from the same initial weights and "
                     "data order; print final train loss, test accuracy, samples/s, skipped steps and "
                     "the final loss scale.")
-    compare.add_argument("--workload", default="mlp",
-                         help=f"built-in workload: {', '.join(WORKLOADS)} (default: mlp)")
+    which = compare.add_mutually_exclusive_group()
+    which.add_argument("--workload", default="mlp",
+                       help=f"built-in workload ({', '.join(WORKLOADS)}; default mlp), a benchmark "
+                            f"({', '.join(BENCHMARKS)}), or your own as package.module:function")
+    which.add_argument("--benchmark", choices=list(BENCHMARKS), default=None,
+                       help="shorthand for --workload NAME: synthetic data at realistic sizes, for speed "
+                            "and memory on a GPU")
     compare.add_argument("--recipes", nargs="+", metavar="RECIPE", default=None,
                          help="recipe names and/or full recipe strings, joined by commas or spaces, "
                               "e.g. fp32,bf16,params=bf16,compute=bf16,rounding=stochastic "
@@ -159,7 +164,7 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
-        plan = plan_compare(args.workload, _recipe_words(args.recipes), steps=args.steps,
+        plan = plan_compare(args.benchmark or args.workload, _recipe_words(args.recipes), steps=args.steps,
                             device=args.device, seed=args.seed, eval_every=args.eval_every)
         if args.json is not None:
             _check_writable(args.json, "--json")

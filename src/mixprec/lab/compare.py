@@ -90,8 +90,8 @@ def run_compare(plan: ComparePlan,
         device_name=_device_name(plan.device), threads=torch.get_num_threads(),
         torch_version=torch.__version__, mixprec_version=__version__, steps=plan.steps,
         batch_size=plan.workload.batch_size, seed=plan.seed, runs=tuple(runs),
-        tokens_per_sample=getattr(plan.workload, "tokens_per_sample", 0),
-        higher_is_better=getattr(plan.workload, "higher_is_better", True))
+        tokens_per_sample=plan.workload.tokens_per_sample,
+        higher_is_better=plan.workload.higher_is_better, synthetic=plan.workload.synthetic)
 
 
 def _device_name(device: torch.device) -> str:

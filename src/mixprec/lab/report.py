@@ -17,6 +17,7 @@ JSON schema, version 1 (one object; floats that are not finite are written as th
     batch_size       int
     tokens_per_sample int     tokens in one sample (sequence length) for language models, else 0
     higher_is_better bool     whether a larger test_metric is better (accuracy) or worse (a loss)
+    synthetic        bool     random data (a benchmark): the metric only shows the numbers stayed finite
     seed             int      fixes the initial weights and the minibatch order, the same for every run
     runs             list     one object per recipe, in the order run:
       recipe         str      the full recipe string (mixprec.parse_recipe reads it back)
@@ -79,6 +80,7 @@ class CompareReport:
     runs: tuple[RunResult, ...]
     tokens_per_sample: int = 0
     higher_is_better: bool = True
+    synthetic: bool = False
     schema_version: int = SCHEMA_VERSION
 
     def run(self, label: str) -> RunResult:
@@ -173,6 +175,9 @@ def render_notes(report: CompareReport) -> list[str]:
     """One-line notes to print under the table: what each custom recipe is, and caveats."""
     names = short_names((r.recipe, r.label) for r in report.runs)
     notes = [f"{names[r.recipe]}: {r.recipe}" for r in report.runs if names[r.recipe] != r.label]
+    if report.synthetic:
+        notes.append(f"note: {report.workload} trains on random data, for speed and memory; its "
+                     f"{report.metric} only shows that the numbers stayed finite")
     if report.device.startswith("cpu"):
         notes.append("note: speed on CPU does not predict GPU tensor-core speed (16-bit matmuls are often "
                      "slower than fp32 on CPUs); the accuracy and memory figures still carry over")
@@ -280,6 +285,7 @@ _REPORT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "schema_version": _int, "workload": _str, "metric": _str, "device": _str, "device_name": _str,
     "threads": _int, "torch_version": _str, "mixprec_version": _str, "steps": _int, "batch_size": _int,
     "seed": _int, "tokens_per_sample": _int, "higher_is_better": _bool,
+    "synthetic": _bool,
 }
 _RUN_FIELDS: dict[str, Callable[[Any], Any]] = {
     "recipe": _str, "label": _str, "final_loss": _float, "test_metric": _float,
