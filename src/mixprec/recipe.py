@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "Precision", "Rounding", "LossScaleConfig", "Recipe", "RECIPES", "get_recipe", "parse_recipe",
+    "split_top_level",
 ]
 
 
@@ -279,7 +280,7 @@ def parse_recipe(text: str) -> Recipe:
         raise ValueError(f"unknown recipe {text!r}; named recipes: {', '.join(RECIPES)}; or spell one as "
                          "params=..,compute=..,master=..,scale=..")
     fields: dict[str, str] = {}
-    for item in _split_top_level(text):
+    for item in split_top_level(text):
         key, _, value = item.partition("=")
         key = key.strip()
         if key not in _KEYS:
@@ -308,7 +309,7 @@ def parse_recipe(text: str) -> Recipe:
                   fp32_modules=modules, _explicit_none=fields.get("scale") == "none")
 
 
-def _split_top_level(text: str) -> list[str]:
+def split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside parentheses (``scale=dynamic(a=1,b=2)`` stays whole)."""
     items, depth, start = [], 0, 0
     for i, ch in enumerate(text):

@@ -68,3 +68,11 @@ def test_fp16_matches_fp32_on_gpu():
             mp.zero_grad()
         finals[recipe] = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert (finals["fp16"] - finals["fp32"]).norm() / finals["fp32"].norm() < 5e-3
+
+
+def test_compare_on_cuda_records_the_allocator_peak(tmp_path):
+    from mixprec.lab.compare import plan_compare, run_compare
+    report = run_compare(plan_compare("mlp", ["fp32", "bf16", "fp16"], steps=30, device="cuda"))
+    for run in report.runs:
+        assert run.memory.peak is not None and run.memory.peak >= run.memory.params
+        assert run.skipped_steps == 0 and run.test_metric > 0.5

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import __version__
-from ..recipe import get_recipe
+from ..recipe import get_recipe, split_top_level
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 from .report import CompareReport, render_notes, render_table, short_names
 from .trainer import TrainProgress
@@ -132,7 +132,7 @@ def _recipe_words(values: Sequence[str] | None) -> list[str]:
     specs: list[str] = []
     for value in values:
         group: list[str] = []           # key=value items of the recipe string being read
-        for item in _top_level_items(value):
+        for item in split_top_level(value):
             key, is_pair, _ = item.partition("=")
             if is_pair and key.strip() not in {g.partition("=")[0].strip() for g in group}:
                 group.append(item)
@@ -145,18 +145,6 @@ def _recipe_words(values: Sequence[str] | None) -> list[str]:
         if group:
             specs.append(",".join(group))
     return specs
-
-
-def _top_level_items(text: str) -> list[str]:
-    """``text`` split at commas outside parentheses (``scale=dynamic(init=1024,growth=2)`` stays whole)."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    items.append(text[start:])
-    return [item.strip() for item in items if item.strip()]
 
 
 # ---------------------------------------------------------------------------------------- compare
