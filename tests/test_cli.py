@@ -123,6 +123,7 @@ def test_report_file_reads_back_into_an_equal_report(report_path):
     (["compare", "--steps", "1", "--recipes", "fp32,tf32", "--device", "cpu"], "tf32"),
     (["compare", "--steps", "0"], "steps"),
     (["compare", "--steps", "1", "--benchmark", "vgg"], "invalid choice"),
+    (["compare", "--benchmark", "resnet50", "--device", "cpu"], "GPU benchmark"),
     (["compare", "--steps", "1", "--benchmark", "gpt2", "--workload", "mlp"], "not allowed with"),
     (["compare", "--steps", "1", "--eval-every", "0"], "eval-every"),
     (["compare", "--steps", "1", "--workload", "no_such_module_xyz:fn"], "no_such_module_xyz"),

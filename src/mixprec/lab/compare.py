@@ -51,6 +51,11 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
     """
     if not isinstance(workload, Workload):
         workload = get_workload(workload)
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    if workload.synthetic and device.type == "cpu" and steps is None:
+        # Sized for GPUs: ResNet-50 at batch 256 keeps ~22 GB of fp32 activations for backward.
+        raise ValueError(f"{workload.name} is a GPU benchmark (realistic sizes, synthetic data); run it "
+                         f"with --device cuda, or name --steps N to run it on the CPU anyway")
     steps = workload.default_steps if steps is None else check_steps(steps)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
@@ -58,7 +63,6 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
         eval_every = max(1, steps // 10)
     elif isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise ValueError(f"eval-every must be a positive number of steps, got {eval_every!r}")
-    device = device if isinstance(device, torch.device) else resolve_device(device)
     if isinstance(recipes, (str, Recipe)):
         recipes = [recipes]
     parsed: dict[str, Recipe] = {}
