@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from .oplists import OpPolicy, check_op_names
+
 __all__ = [
     "Precision", "Rounding", "LossScaleConfig", "Recipe", "RECIPES", "get_recipe", "parse_recipe",
     "split_top_level",
@@ -152,6 +154,8 @@ _SCALE_KINDS = ("none", "static", "dynamic")
 
 # Module types kept in fp32 by pure recipes: normalisations reduce over many values (mean, variance)
 # and their tiny affine parameters cost nothing in memory.
+# The recipe keys that move ops between autocast's lists, and the list each moves them to.
+_OP_KEYS = {"fp32_ops": OpPolicy.FP32, "low_ops": OpPolicy.LOW, "follow_ops": OpPolicy.FOLLOW}
 DEFAULT_FP32_MODULES = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm", "LocalResponseNorm")
 
 
@@ -164,6 +168,17 @@ class Recipe:
     (``None``: the optimizer updates the model's own weights); ``rounding`` how the fp32 optimizer result
     is rounded into low-precision weights when there is no master copy; ``fp32_modules`` names module
     classes (matched as a substring of the class name) whose weights and inputs stay fp32 in pure recipes.
+
+    Op lists (see ``oplists``): ``fp32_ops``, ``low_ops`` and ``follow_ops`` move ops (torch function
+    names) off torch.autocast's default lists, wherever autocast runs. ``modules`` sets the compute
+    precision of modules and their children, for any recipe: ``(pattern, precision)`` pairs, the pattern
+    an ``fnmatch`` glob over the qualified name (``blocks.*.attn``) or the class name (``LayerNorm``);
+    the last matching pair wins, and it wins over ``fp32_modules``. In pure recipes a module set to fp32
+    keeps fp32 weights, as ``fp32_modules`` ones do::
+
+        >>> r = parse_recipe("bf16,fp32_ops=softmax+layer_norm,modules=lm_head:fp32")
+        >>> r.fp32_ops, r.modules
+        (('layer_norm', 'softmax'), (('lm_head', <Precision.FP32: 'fp32'>),))
     """
 
     param: Precision = Precision.FP32
@@ -172,8 +187,13 @@ class Recipe:
     loss_scale: LossScaleConfig = LossScaleConfig(kind="none")
     rounding: Rounding = Rounding.NEAREST
     fp32_modules: tuple[str, ...] = DEFAULT_FP32_MODULES
+    fp32_ops: tuple[str, ...] = ()
+    low_ops: tuple[str, ...] = ()
+    follow_ops: tuple[str, ...] = ()
+    modules: tuple[tuple[str, Precision], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_op_lists_and_modules()
         for name in ("param", "compute"):
             if not isinstance(getattr(self, name), Precision):
                 raise TypeError(f"Recipe.{name} must be a Precision, got {getattr(self, name)!r}")
@@ -199,6 +219,38 @@ class Recipe:
     # ``scale=none`` with fp16 is allowed only when spelled out; the flag is not part of equality.
     _explicit_none: bool = dataclasses.field(default=False, repr=False, compare=False)
 
+    def _check_op_lists_and_modules(self) -> None:
+        # Canonical order (sorted, each op once) so equal edits compare equal and print alike.
+        seen: dict[str, str] = {}
+        for key in _OP_KEYS:
+            ops = tuple(sorted(set(getattr(self, key))))
+            check_op_names(ops, key=key)
+            for op in ops:
+                if op in seen:
+                    raise ValueError(f"op {op!r} is in both {seen[op]} and {key}; put it on one list")
+                seen[op] = key
+            object.__setattr__(self, key, ops)
+        for rule in self.modules:
+            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[1], Precision)):
+                raise TypeError(f"Recipe.modules holds (pattern, Precision) pairs, got {rule!r}")
+            pattern, precision = rule
+            if not pattern or any(c in pattern for c in ":+,= "):
+                raise ValueError(f"module pattern {pattern!r} must be a non-empty name or glob without "
+                                 "':', '+', ',', '=' or spaces, e.g. lm_head or blocks.*.attn")
+            if precision is Precision.TF32:
+                raise ValueError(f"modules={pattern}:tf32: a module's precision is fp32, fp16 or bf16")
+            if self.param.is_low and precision not in (Precision.FP32, self.param):
+                raise ValueError(f"modules={pattern}:{precision.value}: with params={self.param.value} a "
+                                 f"module runs in fp32 (fp32 weights) or {self.param.value}")
+        if seen and not (self.compute.is_low or any(p.is_low for _, p in self.modules)):
+            raise ValueError("op list edits act where autocast runs; use compute=fp16 or bf16, or run "
+                             "some modules in 16 bits (modules=PATTERN:bf16)")
+
+    @property
+    def op_edits(self) -> dict[str, OpPolicy]:
+        """The edited ops and the list each is moved to (empty: autocast's default lists)."""
+        return {op: policy for key, policy in _OP_KEYS.items() for op in getattr(self, key)}
+
     @property
     def autocast(self) -> bool:
         """True when torch.autocast casts the compute to fp16/bf16."""
@@ -221,6 +273,9 @@ class Recipe:
             parts.append(f"rounding={self.rounding.value}")
         if self.fp32_modules != DEFAULT_FP32_MODULES:
             parts.append(f"fp32_modules={'+'.join(self.fp32_modules) or 'none'}")
+        parts += [f"{key}={'+'.join(getattr(self, key))}" for key in _OP_KEYS if getattr(self, key)]
+        if self.modules:
+            parts.append("modules=" + "+".join(f"{p}:{prec.value}" for p, prec in self.modules))
         return ",".join(parts)
 
 
@@ -254,7 +309,7 @@ RECIPES: dict[str, Recipe] = {
     "bf16-sr": Recipe(param=Precision.BF16, compute=Precision.BF16, rounding=Rounding.STOCHASTIC),
 }
 
-_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules")
+_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules")
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:
@@ -271,7 +326,10 @@ def parse_recipe(text: str) -> Recipe:
 
     Keys: ``params``, ``compute`` (defaults to params), ``master`` (fp32|none, default none),
     ``scale`` (none | static:V | dynamic[(opts)]; default dynamic for fp16 compute, else none),
-    ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none).
+    ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none),
+    ``fp32_ops``/``low_ops``/``follow_ops`` (op names joined by ``+``), ``modules`` (``PATTERN:PRECISION``
+    joined by ``+``). A named recipe may lead, and the keys after it change it:
+    ``bf16,fp32_ops=softmax`` is bf16 with softmax in fp32.
     """
     text = text.strip()
     if text in RECIPES:
@@ -280,7 +338,11 @@ def parse_recipe(text: str) -> Recipe:
         raise ValueError(f"unknown recipe {text!r}; named recipes: {', '.join(RECIPES)}; or spell one as "
                          "params=..,compute=..,master=..,scale=..")
     fields: dict[str, str] = {}
-    for item in split_top_level(text):
+    items = split_top_level(text)
+    base = RECIPES.get(items[0]) if items and "=" not in items[0] else None
+    if base is not None:
+        items = items[1:]
+    for item in items:
         key, _, value = item.partition("=")
         key = key.strip()
         if key not in _KEYS:
@@ -288,6 +350,8 @@ def parse_recipe(text: str) -> Recipe:
         if key in fields:
             raise ValueError(f"recipe key {key!r} given twice in {text!r}")
         fields[key] = value.strip()
+    if base is not None:
+        return _edit_named(base, fields, text)
     param = Precision.parse(fields.get("params", "fp32"), key="params")
     compute = Precision.parse(fields.get("compute", param.value), key="compute")
     master_word = fields.get("master", "none")
@@ -306,7 +370,33 @@ def parse_recipe(text: str) -> Recipe:
         word = fields["fp32_modules"]
         modules = () if word == "none" else tuple(m for m in word.split("+") if m)
     return Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
-                  fp32_modules=modules, _explicit_none=fields.get("scale") == "none")
+                  fp32_modules=modules, _explicit_none=fields.get("scale") == "none",
+                  **_op_list_fields(fields))
+
+
+def _op_list_fields(fields: dict[str, str]) -> dict:
+    """``fp32_ops``/``low_ops``/``follow_ops`` and ``modules`` from their words."""
+    out: dict = {key: tuple(w.strip() for w in fields[key].split("+") if w.strip())
+                 for key in _OP_KEYS if key in fields}
+    if "modules" in fields:
+        rules = []
+        for word in filter(None, (w.strip() for w in fields["modules"].split("+"))):
+            pattern, sep, precision = word.rpartition(":")
+            if not sep:
+                raise ValueError(f"modules={word}: give each module its precision as PATTERN:PRECISION, "
+                                 "e.g. modules=lm_head:fp32+blocks.*.attn:bf16")
+            rules.append((pattern.strip(), Precision.parse(precision, key=f"precision for {pattern}")))
+        out["modules"] = tuple(rules)
+    return out
+
+
+def _edit_named(base: Recipe, fields: dict[str, str], text: str) -> Recipe:
+    """A named recipe changed by op-list and module keys only (``bf16,fp32_ops=softmax``)."""
+    other = sorted(set(fields) - {*_OP_KEYS, "modules"})
+    if other:
+        raise ValueError(f"after a named recipe only {', '.join([*_OP_KEYS, 'modules'])} may follow, got "
+                         f"{', '.join(other)} in {text!r}; spell the recipe in full (params=..,compute=..)")
+    return dataclasses.replace(base, **_op_list_fields(fields))
 
 
 def split_top_level(text: str) -> list[str]:

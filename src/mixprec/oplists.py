@@ -1,0 +1,292 @@
+"""Op lists: which ops run in 16 bits, which stay fp32, which follow their inputs; and how to edit them.
+
+Seed 000 describes mixed precision by three lists. torch.autocast keeps them in C++: each op it casts
+has a kernel registered under the ``AutocastCPU`` / ``AutocastCUDA`` dispatch key, with a policy that
+is not exposed to Python. mixprec reads them in two steps, on the device in use, when asked (never at
+import):
+
+1. *Which* ops autocast handles: ``torch._C._dispatch_get_registrations_for_dispatch_key`` lists the
+   ops with a kernel for that key (the CPU build lists the CUDA registrations too).
+2. *What* it does to each: we call the op on 2x2 tensors under ``torch.autocast`` with a
+   ``TorchDispatchMode`` underneath. Autocast's dispatch key sits above the Python one, so the mode sees
+   the op's arguments right after autocast's casts, records their dtypes and stops the call before any
+   kernel runs. fp32 inputs cast to 16 bits: *low*. 16-bit inputs cast (or a ``dtype=`` set) to fp32:
+   *fp32*. Mixed inputs widened to fp32 (autocast's "promote" list, e.g. ``cat``, ``stack``): *follow*.
+   Every op without an autocast kernel also follows its inputs.
+
+    >>> lists = autocast_op_lists("cpu", torch.bfloat16)
+    >>> "bmm" in lists.low, "nll_loss" in lists.fp32, "cat" in lists.follow
+    (True, True, True)
+    >>> default_policy("softmax", "cpu", torch.bfloat16)   # CPU autocast leaves softmax alone
+    <OpPolicy.FOLLOW: 'follow'>
+
+Editing: a recipe moves ops between the lists (``fp32_ops=softmax+layer_norm,low_ops=bmm``). The edits
+that differ from autocast's own policy on the device are applied by ``OpListMode``, a
+``torch.overrides.TorchFunctionMode``. Why that one, and not torch's own hooks:
+
+- Re-registering autocast kernels (``torch.library.Library("aten", "IMPL")`` on ``AutocastCPU``) costs
+  nothing for untouched ops, but it is process-global (two models with different edits would fight),
+  it replaces torch's kernel for the whole process, and torch warns on every override.
+- A ``TorchDispatchMode`` sees ops below autograd: a cast there is invisible to autograd, and the
+  backward would run in the wrong dtype.
+- A ``TorchFunctionMode`` is scoped to a ``with`` block and sits above autograd, so its casts are
+  ordinary differentiable ``.to()`` calls. It costs one Python call per torch function in the forward
+  pass (the backward runs in C++ and is untouched); benchmarks/bench_oplists.py measures that.
+
+With the default lists nothing is installed: no mode, no per-op Python work.
+
+An edit applies to the torch functions a model calls (``F.softmax``, ``torch.bmm``, ``x @ w``,
+``Tensor.softmax``), not to ops that a fused C++ op performs inside itself (the softmax inside
+``F.scaled_dot_product_attention`` or ``F.cross_entropy``); ``mixprec trace`` shows what ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["OpPolicy", "OpLists", "autocast_op_lists", "default_policy", "check_op_names",
+           "OpListMode"]
+
+
+class OpPolicy(enum.Enum):
+    """What an op does under autocast: run in 16 bits, run in fp32, or follow (widest of) its inputs."""
+
+    LOW = "low"
+    FP32 = "fp32"
+    FOLLOW = "follow"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpLists:
+    """autocast's lists for one device type, as probed: ``low`` and ``fp32`` ops, and the ``follow`` ops
+    autocast promotes to their widest input dtype. Ops on no list also follow their inputs."""
+
+    device_type: str
+    low: frozenset[str]
+    fp32: frozenset[str]
+    follow: frozenset[str]
+
+    def policy(self, op: str) -> OpPolicy:
+        if op in self.low:
+            return OpPolicy.LOW
+        if op in self.fp32:
+            return OpPolicy.FP32
+        return OpPolicy.FOLLOW
+
+
+# Python-level names that reach a differently named aten op or operator; the mode sees ``func.__name__``.
+_FUNC_ALIASES = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__add__": "add", "__radd__": "add",
+                 "__sub__": "sub", "__rsub__": "sub", "__mul__": "mul", "__rmul__": "mul",
+                 "__truediv__": "div", "__rtruediv__": "div", "__pow__": "pow", "__rpow__": "pow"}
+# A user's op name whose autocast registration is under another aten name.
+_ATEN_NAMES = {"cross_entropy": "cross_entropy_loss"}
+
+
+# -------------------------------------------------------------------------------------- names
+@functools.cache
+def known_op_names() -> frozenset[str]:
+    """Every op name an edit may use: public functions of torch, torch.nn.functional and torch.Tensor,
+    and the ops autocast registers on any device."""
+    names: set[str] = set()
+    for namespace in (torch, F, torch.Tensor, torch.linalg, torch.fft):
+        prefix = {torch.linalg: "linalg_", torch.fft: "fft_"}.get(namespace, "")
+        names.update(prefix + n for n in dir(namespace)
+                     if not n.startswith("_") and not n.endswith("_") and callable(getattr(namespace, n)))
+    for key in ("AutocastCPU", "AutocastCUDA"):
+        names.update(_base_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(key))
+    return frozenset(n for n in names if n[:1].islower())
+
+
+def check_op_names(names: tuple[str, ...], *, key: str) -> None:
+    """ValueError naming the unknown op and its close matches, e.g. ``softmx`` -> ``softmax``."""
+    known = known_op_names()
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=4, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else \
+                "; use torch function names such as softmax, layer_norm, bmm, matmul, linear"
+            raise ValueError(f"unknown op {name!r} in {key}{hint}")
+
+
+def _base_name(qualified: str) -> str:
+    """``aten::softmax.int`` -> ``softmax``."""
+    return qualified.split("::", 1)[-1].split(".", 1)[0]
+
+
+# ------------------------------------------------------------------------------------- probing
+class _Stop(Exception):
+    """Raised by the probe mode: the op's arguments have been seen, no kernel needs to run."""
+
+
+class _FirstCall(TorchDispatchMode):
+    """Records the first aten call below autocast (its floating-tensor and dtype arguments), then stops."""
+
+    seen: tuple[list[torch.dtype], list[torch.dtype]] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = tree_leaves((args, kwargs or {}))
+        self.seen = ([a.dtype for a in leaves if isinstance(a, torch.Tensor) and a.is_floating_point()],
+                     [a for a in leaves if isinstance(a, torch.dtype)])
+        raise _Stop
+
+
+def _fake_argument(arg: Any, dtype: torch.dtype, device: str) -> Any:
+    """A value of the schema's type: 2x2 tensors, 1s, ``False``. Its meaning does not matter: the probe
+    stops at the first aten call, before shapes are checked in earnest."""
+    kind = str(arg.type)
+    if "Tensor" in kind:
+        tensor = torch.ones(2, 2, dtype=dtype, device=device)
+        return [tensor, tensor] if ("[]" in kind or "List" in kind) else tensor
+    if "[]" in kind or "List" in kind:
+        return [1]
+    return {"int": 1, "SymInt": 1, "float": 1.0, "bool": False, "Scalar": 1, "str": "fro"}.get(kind)
+
+
+def _probe(qualified: str, device: str, low: torch.dtype) -> OpPolicy | None:
+    """autocast's policy for one registered op overload, or None if the probe could not tell."""
+    base, _, overload = qualified.split("::", 1)[-1].partition(".")
+    op = getattr(getattr(torch.ops.aten, base), overload or "default")
+
+    def first_call(dtypes: tuple[torch.dtype, ...]):
+        args, kwargs, i = [], {}, 0
+        for arg in op._schema.arguments:
+            if arg.has_default_value():
+                continue
+            is_tensor = "Tensor" in str(arg.type)
+            value = _fake_argument(arg, dtypes[i % len(dtypes)] if is_tensor else torch.float32, device)
+            i += is_tensor
+            (kwargs.__setitem__(arg.name, value) if arg.kwarg_only else args.append(value))
+        mode = _FirstCall()
+        try:
+            with torch.autocast(device, dtype=low), mode:
+                op(*args, **kwargs)
+        except _Stop:
+            return mode.seen
+        except Exception:   # the fake arguments failed a check before the first aten call
+            return None
+        return None
+
+    seen = first_call((torch.float32,))
+    if seen and low in seen[1] or (seen and low in seen[0]):
+        return OpPolicy.LOW
+    seen = first_call((low,))
+    if seen and (torch.float32 in seen[0] or torch.float32 in seen[1]):
+        return OpPolicy.FP32
+    seen = first_call((torch.float32, low))
+    if seen and (torch.float32 in seen[1] or (seen[0] and all(d == torch.float32 for d in seen[0]))):
+        return OpPolicy.FOLLOW      # autocast's "promote": mixed inputs run in the widest dtype
+    return None
+
+
+def _autocast_key(device_type: str) -> str:
+    return {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU",
+            "mps": "AutocastMPS"}.get(device_type, f"Autocast{device_type.upper()}")
+
+
+@functools.cache
+def _probed_policies(device_type: str, low: torch.dtype, base: str) -> tuple[OpPolicy, ...]:
+    registered = sorted(op for op in torch._C._dispatch_get_registrations_for_dispatch_key(
+        _autocast_key(device_type)) if _base_name(op) == base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # deprecated ops (torch.lu, stft's window) warn when called
+        found = [_probe(op, device_type, low) for op in registered]
+    return tuple(p for p in found if p is not None)
+
+
+def default_policy(op: str, device_type: str, low: torch.dtype) -> OpPolicy:
+    """autocast's policy for ``op`` on ``device_type`` with 16-bit dtype ``low``; probes that op only.
+
+    Overloads that disagree (none do in torch 2.x) resolve to the first one in name order.
+    """
+    policies = _probed_policies(device_type, low, _ATEN_NAMES.get(op, op))
+    return policies[0] if policies else OpPolicy.FOLLOW
+
+
+@functools.cache
+def autocast_op_lists(device_type: str, low: torch.dtype = torch.bfloat16) -> OpLists:
+    """torch.autocast's three lists on ``device_type`` (probes every registered op: ~1 s on a CPU).
+
+    Needs the device itself: on CUDA the probe tensors must live on a GPU for autocast to cast them.
+    """
+    names = {_base_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(
+        _autocast_key(device_type))}
+    by_policy: dict[OpPolicy, set[str]] = {p: set() for p in OpPolicy}
+    for name in names:
+        policies = _probed_policies(device_type, low, name)
+        if policies:
+            by_policy[policies[0]].add(name)
+    return OpLists(device_type, frozenset(by_policy[OpPolicy.LOW]), frozenset(by_policy[OpPolicy.FP32]),
+                   frozenset(by_policy[OpPolicy.FOLLOW]))
+
+
+def effective_edits(edits: Mapping[str, OpPolicy], device_type: str,
+                    low: torch.dtype) -> dict[str, OpPolicy]:
+    """The edits that change something on ``device_type``: those that differ from autocast's policy."""
+    return {op: p for op, p in edits.items() if default_policy(op, device_type, low) is not p}
+
+
+# ---------------------------------------------------------------------------------- the mode
+class OpListMode(TorchFunctionMode):
+    """Applies op-list edits on top of torch.autocast, for the torch functions named in ``edits``.
+
+    An edited op runs with autocast off for that one call, on inputs cast to its dtype: the 16-bit
+    dtype of the autocast region it is in (``low``), fp32 (``fp32``), or the widest floating dtype
+    among its inputs (``follow``). That is exactly a manual ``op(x.to(dtype))`` outside autocast, so
+    its output is bitwise what that call gives. Every other function passes straight through. Outside
+    an autocast region (a module kept fp32) edits do nothing. No host sync.
+
+        with torch.autocast("cpu", dtype=torch.bfloat16), OpListMode({"softmax": OpPolicy.FP32}, "cpu"):
+            y = torch.softmax(x, -1)     # float32, == torch.softmax(x.float(), -1)
+    """
+
+    def __init__(self, edits: Mapping[str, OpPolicy], device_type: str) -> None:
+        super().__init__()
+        self.edits = dict(edits)
+        self.device_type = device_type
+        self._policy_of: dict[Any, OpPolicy | None] = {}   # func -> policy, filled as funcs are seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            policy = self._policy_of[func]
+        except (KeyError, TypeError):      # TypeError: an unhashable callable (never edited)
+            name = getattr(func, "__name__", None)
+            policy = self.edits.get(_FUNC_ALIASES.get(name, name)) if isinstance(name, str) else None
+            try:
+                self._policy_of[func] = policy
+            except TypeError:
+                pass
+        if policy is None or not torch.is_autocast_enabled(self.device_type):
+            return func(*args, **kwargs)
+        if policy is OpPolicy.LOW:
+            dtype = torch.get_autocast_dtype(self.device_type)
+        elif policy is OpPolicy.FP32:
+            dtype = torch.float32
+        else:
+            floating = [t.dtype for t in tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            dtype = functools.reduce(torch.promote_types, floating) if floating else None
+        if dtype is not None:
+            args, kwargs = tree_map(lambda t: self._cast(t, dtype), (args, kwargs))
+        with torch.autocast(self.device_type, enabled=False):
+            return func(*args, **kwargs)
+
+    def _cast(self, value: Any, dtype: torch.dtype) -> Any:
+        # Only floating tensors on this device type: autocast casts the same ones (integer ids,
+        # masks and CPU scalars on a CUDA run keep their dtype).
+        if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype
+                and value.device.type == self.device_type):
+            return value.to(dtype)
+        return value
