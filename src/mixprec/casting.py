@@ -1,17 +1,27 @@
-"""Preparing a model for a recipe: cast weights, keep norms fp32, cast inputs in and outputs out.
+"""Preparing a model for a recipe: cast weights, set per-module precision, cast inputs in and outputs out.
 
 Pure recipes (fp16/bf16 weights) cast every parameter and floating buffer to the low dtype except in
 modules the recipe keeps fp32 (normalisations by default: their mean and variance reduce over many
-values). Those modules get hooks that cast their inputs up to fp32 and their outputs back down, so the
-layers around them keep seeing the low dtype. Every low-compute recipe casts the model's floating
-outputs to fp32, so softmax and the loss are computed in fp32 (seed 001) even where autocast's op lists
-leave them in 16 bits (CPU autocast keeps log_softmax in fp16).
+values). Every low-compute recipe casts the model's floating outputs to fp32, so softmax and the loss
+are computed in fp32 (seed 001) even where autocast's op lists leave them in 16 bits (CPU autocast
+keeps log_softmax in fp16).
+
+Per-module precision (``Recipe.modules``, and ``fp32_modules`` in pure recipes) makes *regions*: a
+module whose precision differs from its parent's, together with its children. Its forward runs
+inside ``torch.autocast(enabled=<16-bit region>, dtype=<region dtype>)``; its floating inputs are cast
+to the region's dtype where the ops inside need it (pure recipes always: the region's weights are in
+that dtype; autocast recipes only into fp32 regions, since autocast casts for 16-bit ones); its outputs
+are handed back in the dtype its inputs came in, unless the region around it runs autocast (which casts
+them as each op needs). So ``lm_head:fp32`` in a bf16 recipe yields fp32 logits, and
+``blocks.*.attn:bf16`` in an fp32 recipe hands fp32 back to the fp32 residual stream.
 
 Hooks are module-level callables held by ``functools.partial``, so a prepared model still pickles.
 """
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -19,9 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .recipe import Recipe
+from .recipe import Precision, Recipe
 
-__all__ = ["keeps_fp32", "low_precision_params", "cast_model", "cast_floating"]
+__all__ = ["keeps_fp32", "module_precisions", "check_module_patterns", "low_precision_params",
+           "cast_model", "cast_floating"]
 
 
 def keeps_fp32(module: nn.Module, recipe: Recipe) -> bool:
@@ -30,15 +41,65 @@ def keeps_fp32(module: nn.Module, recipe: Recipe) -> bool:
     return any(pattern in name for pattern in recipe.fp32_modules)
 
 
+def _own_precision(name: str, module: nn.Module, recipe: Recipe) -> Precision | None:
+    """The precision a rule gives this module itself: the last matching ``modules`` pair, else fp32 for
+    an ``fp32_modules`` class in a pure recipe, else None (it inherits its parent's)."""
+    cls = type(module).__name__
+    for pattern, precision in reversed(recipe.modules):
+        if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(cls, pattern):
+            return precision
+    if recipe.param.is_low and keeps_fp32(module, recipe):
+        return Precision.FP32
+    return None
+
+
+def _base_precision(recipe: Recipe) -> Precision:
+    # TF32 is fp32 storage with a global matmul switch; a module cannot opt out of it, so regions
+    # compare it as fp32.
+    return Precision.FP32 if recipe.compute is Precision.TF32 else recipe.compute
+
+
+def module_precisions(model: nn.Module, recipe: Recipe) -> dict[str, Precision]:
+    """Each module's compute precision by qualified name (``""`` is the model): its own rule, else its
+    parent's, else the recipe's compute precision (tf32 counts as fp32).
+
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+        >>> module_precisions(net, parse_recipe("bf16-pure"))
+        {'': <Precision.BF16: 'bf16'>, '0': <Precision.BF16: 'bf16'>, '1': <Precision.FP32: 'fp32'>}
+    """
+    out: dict[str, Precision] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        parent = out.get(name.rpartition(".")[0], _base_precision(recipe)) if name else _base_precision(recipe)
+        out[name] = _own_precision(name, module, recipe) or parent
+    return out
+
+
+def check_module_patterns(model: nn.Module, recipe: Recipe) -> None:
+    """ValueError for a ``modules`` pattern that matches no module of ``model``, naming close matches."""
+    names = {n: type(m).__name__ for n, m in model.named_modules() if n}
+    for pattern, precision in recipe.modules:
+        if any(fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(c, pattern) for n, c in names.items()):
+            continue
+        words = sorted(set(names) | set(names.values()))
+        close = difflib.get_close_matches(pattern, words, n=4, cutoff=0.5)
+        hint = (f"did you mean {', '.join(close)}?" if close else
+                f"its modules include {', '.join(list(names)[:6])}")
+        raise ValueError(f"modules={pattern}:{precision.value} matches no module of "
+                         f"{type(model).__name__}; {hint} (patterns are fnmatch globs over qualified "
+                         "names, e.g. blocks.*.attn, or class names, e.g. LayerNorm)")
+
+
 def low_precision_params(model: nn.Module, recipe: Recipe) -> list[nn.Parameter]:
     """The floating parameters a pure recipe casts to its param dtype, each once, in model order."""
     if not recipe.param.is_low:
         return []
-    kept = {id(p) for m in model.modules() if keeps_fp32(m, recipe) for p in m.parameters(recurse=False)}
+    precisions = module_precisions(model, recipe)
+    named = list(model.named_modules(remove_duplicate=False))
+    kept = {id(p) for n, m in named if precisions[n] is Precision.FP32 for p in m.parameters(recurse=False)}
     seen: set[int] = set()
     params = []
-    for module in model.modules():
-        if keeps_fp32(module, recipe):
+    for name, module in named:
+        if precisions[name] is Precision.FP32:
             continue
         for p in module.parameters(recurse=False):
             # A parameter shared with a kept module stays fp32 (tying an fp32 norm weight wins).
@@ -48,20 +109,28 @@ def low_precision_params(model: nn.Module, recipe: Recipe) -> list[nn.Parameter]
     return params
 
 
-def cast_model(model: nn.Module, recipe: Recipe) -> list[torch.utils.hooks.RemovableHandle]:
+def cast_model(model: nn.Module, recipe: Recipe,
+               device_type: str | None = None) -> list[torch.utils.hooks.RemovableHandle]:
     """Cast the model in place for ``recipe`` and install its casting hooks; returns the hook handles.
 
     Parameters keep their identity (``p.data`` is replaced), so references held elsewhere stay valid.
+    ``device_type`` is the autocast device of the regions (default: that of the first parameter).
+    Raises ValueError if a ``modules`` pattern matches no module.
     """
+    check_module_patterns(model, recipe)
+    if device_type is None:
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+    precisions = module_precisions(model, recipe)
     handles = []
+    for name, module in model.named_modules():
+        parent = precisions[name.rpartition(".")[0]] if name else _base_precision(recipe)
+        if precisions[name] is not parent:
+            handles += _install_region(module, precisions[name], recipe, device_type)
     if recipe.param.is_low:
         dtype = recipe.param.dtype
         low = {id(p) for p in low_precision_params(model, recipe)}
-        for module in model.modules():
-            if keeps_fp32(module, recipe):
-                handles.append(module.register_forward_pre_hook(
-                    functools.partial(_cast_inputs_hook, dtype=torch.float32), with_kwargs=True))
-                handles.append(module.register_forward_hook(_restore_output_dtype_hook, with_kwargs=True))
+        for name, module in model.named_modules():
+            if precisions[name] is Precision.FP32:
                 continue
             for p in module.parameters(recurse=False):
                 if id(p) in low:
@@ -106,14 +175,46 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _cast_inputs_hook(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype):
-    # Remember the incoming dtype so a kept-fp32 module can hand its output back in the same dtype.
-    module._mixprec_input_dtype = _first_floating_dtype((args, kwargs))  # type: ignore[assignment]
     return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
 
-def _restore_output_dtype_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-    dtype = getattr(module, "_mixprec_input_dtype", None)
-    return cast_floating(output, dtype) if dtype is not None else output
+def _install_region(module: nn.Module, precision: Precision, recipe: Recipe,
+                    device_type: str) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks that run ``module`` (and its children) in ``precision``; see the module docstring."""
+    pure = recipe.param.is_low
+    cast_to = precision.dtype if pure or precision is Precision.FP32 else None
+    enter = functools.partial(_enter_region_hook, precision=precision, device_type=device_type,
+                              cast_to=cast_to)
+    leave = functools.partial(_leave_region_hook, always_restore=pure)
+    # always_call: the autocast state is restored even when the forward raises.
+    return [module.register_forward_pre_hook(enter, with_kwargs=True),
+            module.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+
+
+def _enter_region_hook(module: nn.Module, args: tuple, kwargs: dict, *, precision: Precision,
+                       device_type: str, cast_to: torch.dtype | None):
+    # A stack on the module, so a module that calls itself (or is shared) nests correctly. Kept in
+    # __dict__ directly: nn.Module.__setattr__ is slow, and an empty list pickles.
+    stack = module.__dict__.setdefault("_mixprec_regions", [])
+    incoming = _first_floating_dtype((args, kwargs))
+    outer_autocast = torch.is_autocast_enabled(device_type)
+    region = torch.autocast(device_type, dtype=precision.dtype if precision.is_low else None,
+                            enabled=precision.is_low)
+    region.__enter__()
+    stack.append((region, incoming, outer_autocast))
+    if cast_to is None:
+        return None
+    return cast_floating(args, cast_to), cast_floating(kwargs, cast_to)
+
+
+def _leave_region_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any, *, always_restore: bool):
+    region, incoming, outer_autocast = module.__dict__["_mixprec_regions"].pop()
+    region.__exit__(None, None, None)
+    # Hand the output back in the incoming dtype where the surroundings need it: pure recipes' layers
+    # hold weights in that dtype; outside autocast nothing would cast it. Under autocast leave it be.
+    if incoming is not None and (always_restore or not outer_autocast):
+        return cast_floating(output, incoming)
+    return None
 
 
 def _cast_output_hook(module: nn.Module, args: tuple, output: Any, *, dtype: torch.dtype):

@@ -33,6 +33,7 @@ from .casting import cast_model, low_precision_params
 from .devices import supports
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
 from .master import MasterWeights
+from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
 
 __all__ = ["MixedPrecision", "StepResult"]
@@ -126,7 +127,9 @@ class MixedPrecision:
         if self.recipe.param.is_low:
             self.master = MasterWeights(low, optimizer, keep=self.recipe.master is not None,
                                         rounding=self.recipe.rounding, seed=seed)
-        self._hooks = cast_model(model, self.recipe)
+        self._hooks = cast_model(model, self.recipe, self.device.type)
+        # None with autocast's default lists: then no per-op Python work runs in the forward.
+        self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
 
     # ------------------------------------------------------------------ forward
@@ -134,15 +137,16 @@ class MixedPrecision:
     def autocast(self) -> Iterator[None]:
         """Run the forward pass in the recipe's compute precision; TF32 on only for ``tf32``.
 
-        torch.autocast does the per-op casting for fp16/bf16 compute. The TF32 switches are global in
-        torch, so they are set here and restored on exit.
+        torch.autocast does the per-op casting for fp16/bf16 compute; a recipe's op-list edits that
+        differ from autocast's lists are applied on top (``oplists.OpListMode``). The TF32 switches are
+        global in torch, so they are set here and restored on exit.
         """
         tf32 = self.recipe.compute is Precision.TF32
         saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         try:
             with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
-                                enabled=self.recipe.autocast):
+                                enabled=self.recipe.autocast), self._op_mode or contextlib.nullcontext():
                 yield
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

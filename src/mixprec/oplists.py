@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["OpPolicy", "OpLists", "autocast_op_lists", "default_policy", "check_op_names",
-           "OpListMode"]
+           "effective_edits", "op_list_mode", "OpListMode"]
 
 
 class OpPolicy(enum.Enum):
@@ -235,6 +235,15 @@ def effective_edits(edits: Mapping[str, OpPolicy], device_type: str,
                     low: torch.dtype) -> dict[str, OpPolicy]:
     """The edits that change something on ``device_type``: those that differ from autocast's policy."""
     return {op: p for op, p in edits.items() if default_policy(op, device_type, low) is not p}
+
+
+def op_list_mode(edits: Mapping[str, OpPolicy], device_type: str,
+                 low: torch.dtype = torch.bfloat16) -> OpListMode | None:
+    """The mode that applies ``edits`` on ``device_type``, or None when none differs from autocast's
+    lists (then nothing is installed). ``low`` picks the probe dtype: torch's lists are the same for
+    fp16 and bf16 on every device it ships."""
+    changed = effective_edits(edits, device_type, low) if edits else {}
+    return OpListMode(changed, device_type) if changed else None
 
 
 # ---------------------------------------------------------------------------------- the mode

@@ -29,6 +29,7 @@ from .. import __version__
 from ..recipe import get_recipe, split_top_level
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 from .report import CompareReport, render_notes, render_table, short_names
+from .trace import add_trace_parser, plan_trace
 from .trainer import TrainProgress
 from .workloads import BENCHMARKS, WORKLOADS
 
@@ -115,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="PAGE.html", type=Path, default=None,
                         help="where to write the page (default: RUN.json's path with .html)")
     report.set_defaults(handler=_report)
+    add_trace_parser(commands)
+    commands.choices["trace"].set_defaults(handler=_trace)
     # doctor and inspect join here as their lab modules land.
     return parser
 
@@ -245,6 +248,14 @@ def _report(args: argparse.Namespace) -> int:
     _write_page(report, out)
     _print_table(report)
     return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    try:
+        run = plan_trace(args, _check_writable)
+    except (ValueError, TypeError) as e:
+        raise _UsageError(str(e)) from e
+    return run()
 
 
 def _make_out_dir(path: Path) -> None:
