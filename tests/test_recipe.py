@@ -6,7 +6,8 @@ import pickle
 import pytest
 import torch
 
-from mixprec import RECIPES, LossScaleConfig, Precision, Recipe, Rounding, get_recipe, parse_recipe
+from mixprec import (RECIPES, LossScaleConfig, OpPolicy, Precision, Recipe, Rounding, get_recipe,
+                     parse_recipe)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -37,6 +38,10 @@ def test_named_recipes_match_the_design_table():
     "params=bf16,compute=bf16,master=fp32,scale=none,fp32_modules=LayerNorm+Embedding",
     "params=bf16,compute=bf16,master=none,scale=none,fp32_modules=none",
     "params=fp32,compute=fp16,master=none,scale=none",
+    "params=fp32,compute=bf16,master=none,scale=none,fp32_ops=layer_norm+softmax,low_ops=bmm",
+    "params=fp32,compute=fp16,master=none,scale=dynamic,follow_ops=linear,modules=lm_head:fp32",
+    "params=fp32,compute=fp32,master=none,scale=none,low_ops=mse_loss,modules=blocks.*.attn:bf16",
+    "params=bf16,compute=bf16,master=fp32,scale=none,fp32_modules=none,modules=LayerNorm:fp32+h?:bf16",
 ])
 def test_custom_recipe_round_trips(text):
     recipe = parse_recipe(text)
@@ -95,3 +100,29 @@ def test_fp16_without_scaling_needs_to_be_spelled_out():
 def test_get_recipe_rejects_other_types():
     with pytest.raises(TypeError, match="recipe must be"):
         get_recipe(torch.float16)
+
+
+def test_op_lists_and_modules_after_a_named_recipe():
+    r = parse_recipe("bf16, low_ops=bmm, fp32_ops=softmax+layer_norm+softmax, modules=lm_head:fp32")
+    assert r == dataclasses.replace(RECIPES["bf16"], fp32_ops=("layer_norm", "softmax"), low_ops=("bmm",),
+                                    modules=(("lm_head", Precision.FP32),))
+    assert str(r) == ("params=fp32,compute=bf16,master=none,scale=none,fp32_ops=layer_norm+softmax,"
+                      "low_ops=bmm,modules=lm_head:fp32")
+    assert parse_recipe(str(r)) == r and r.name is None and r.label == str(r)
+    assert r.op_edits == {"layer_norm": OpPolicy.FP32, "softmax": OpPolicy.FP32, "bmm": OpPolicy.LOW}
+    # Existing strings keep their meaning: no op edits, no module rules.
+    assert parse_recipe("params=bf16,compute=bf16,master=fp32").op_edits == {}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("bf16,fp32_ops=softmx", ["unknown op 'softmx'", "softmax"]),
+    ("bf16,params=fp16", ["only fp32_ops, low_ops, follow_ops, modules may follow"]),
+    ("bf16,modules=lm_head", ["PATTERN:PRECISION"]),
+    ("bf16,modules=lm_head:fp12", ["unknown precision for lm_head", "bf16"]),
+    ("bf16,modules=lm_head:tf32", ["fp32, fp16 or bf16"]),
+    ("bf16-pure,modules=lm_head:fp16", ["with params=bf16"]),
+])
+def test_op_list_and_module_mistakes_name_the_fix(text, words):
+    with pytest.raises(ValueError) as e:
+        parse_recipe(text)
+    assert all(w in str(e.value) for w in words), str(e.value)

@@ -2,10 +2,12 @@
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .devices import Support, supports
+from .diagnostics.optrace import OpRecord, OpTrace, trace_ops
 from .engine import MixedPrecision, StepResult
 from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
                       classify, get_format, quantize)
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from .oplists import OpLists, OpPolicy, autocast_op_lists
 from .recipe import RECIPES, LossScaleConfig, Precision, Recipe, Rounding, get_recipe, parse_recipe
 
 __version__ = "0.1.0"
@@ -18,4 +20,5 @@ __all__ = [
     "supports", "Support",
     "Format", "FORMATS", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2", "get_format",
     "quantize", "classify", "RangeCounts",
+    "OpPolicy", "OpLists", "autocast_op_lists", "trace_ops", "OpTrace", "OpRecord",
 ]

@@ -12,8 +12,9 @@ inside ``torch.autocast(enabled=<16-bit region>, dtype=<region dtype>)``; its fl
 to the region's dtype where the ops inside need it (pure recipes always: the region's weights are in
 that dtype; autocast recipes only into fp32 regions, since autocast casts for 16-bit ones); its outputs
 are handed back in the dtype its inputs came in, unless the region around it runs autocast (which casts
-them as each op needs). So ``lm_head:fp32`` in a bf16 recipe yields fp32 logits, and
-``blocks.*.attn:bf16`` in an fp32 recipe hands fp32 back to the fp32 residual stream.
+them as each op needs). So ``lm_head:fp32`` in a bf16 recipe, pure or not, yields fp32 logits, and
+``blocks.*.attn:bf16`` in an fp32 recipe hands fp32 back to the fp32 residual stream. The
+``fp32_modules`` norms of pure recipes always hand the low dtype back, so activations stay 16-bit.
 
 Hooks are module-level callables held by ``functools.partial``, so a prepared model still pickles.
 """
@@ -41,16 +42,22 @@ def keeps_fp32(module: nn.Module, recipe: Recipe) -> bool:
     return any(pattern in name for pattern in recipe.fp32_modules)
 
 
-def _own_precision(name: str, module: nn.Module, recipe: Recipe) -> Precision | None:
-    """The precision a rule gives this module itself: the last matching ``modules`` pair, else fp32 for
-    an ``fp32_modules`` class in a pure recipe, else None (it inherits its parent's)."""
+def _module_rule(name: str, module: nn.Module, recipe: Recipe) -> Precision | None:
+    """The precision the last matching ``modules`` pair gives this module, or None."""
     cls = type(module).__name__
     for pattern, precision in reversed(recipe.modules):
         if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(cls, pattern):
             return precision
-    if recipe.param.is_low and keeps_fp32(module, recipe):
-        return Precision.FP32
     return None
+
+
+def _own_precision(name: str, module: nn.Module, recipe: Recipe) -> Precision | None:
+    """The precision a rule gives this module itself: its ``modules`` rule, else fp32 for an
+    ``fp32_modules`` class in a pure recipe, else None (it inherits its parent's)."""
+    rule = _module_rule(name, module, recipe)
+    if rule is None and recipe.param.is_low and keeps_fp32(module, recipe):
+        return Precision.FP32
+    return rule
 
 
 def _base_precision(recipe: Recipe) -> Precision:
@@ -124,8 +131,16 @@ def cast_model(model: nn.Module, recipe: Recipe,
     handles = []
     for name, module in model.named_modules():
         parent = precisions[name.rpartition(".")[0]] if name else _base_precision(recipe)
-        if precisions[name] is not parent:
-            handles += _install_region(module, precisions[name], recipe, device_type)
+        rule = _module_rule(name, module, recipe)
+        # In pure recipes a module a rule puts in 16 bits gets its inputs cast even where its parent
+        # runs 16 bits too: an fp32 region before it may hand it fp32, which native norm kernels with
+        # 16-bit weights reject.
+        if precisions[name] is not parent or (recipe.param.is_low and rule is not None and rule.is_low):
+            # fp32_modules norms in pure recipes always hand the low dtype back (cheap activations,
+            # as before module rules existed); a modules= rule hands back only where nothing else
+            # would cast (see _leave_region_hook), so lm_head:fp32 yields fp32 logits.
+            always_restore = recipe.param.is_low and rule is None
+            handles += _install_region(module, precisions[name], recipe, device_type, always_restore)
     if recipe.param.is_low:
         dtype = recipe.param.dtype
         low = {id(p) for p in low_precision_params(model, recipe)}
@@ -178,14 +193,13 @@ def _cast_inputs_hook(module: nn.Module, args: tuple, kwargs: dict, *, dtype: to
     return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
 
-def _install_region(module: nn.Module, precision: Precision, recipe: Recipe,
-                    device_type: str) -> list[torch.utils.hooks.RemovableHandle]:
+def _install_region(module: nn.Module, precision: Precision, recipe: Recipe, device_type: str,
+                    always_restore: bool) -> list[torch.utils.hooks.RemovableHandle]:
     """Hooks that run ``module`` (and its children) in ``precision``; see the module docstring."""
-    pure = recipe.param.is_low
-    cast_to = precision.dtype if pure or precision is Precision.FP32 else None
+    cast_to = precision.dtype if recipe.param.is_low or precision is Precision.FP32 else None
     enter = functools.partial(_enter_region_hook, precision=precision, device_type=device_type,
                               cast_to=cast_to)
-    leave = functools.partial(_leave_region_hook, always_restore=pure)
+    leave = functools.partial(_leave_region_hook, always_restore=always_restore)
     # always_call: the autocast state is restored even when the forward raises.
     return [module.register_forward_pre_hook(enter, with_kwargs=True),
             module.register_forward_hook(leave, with_kwargs=True, always_call=True)]
@@ -210,8 +224,8 @@ def _enter_region_hook(module: nn.Module, args: tuple, kwargs: dict, *, precisio
 def _leave_region_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any, *, always_restore: bool):
     region, incoming, outer_autocast = module.__dict__["_mixprec_regions"].pop()
     region.__exit__(None, None, None)
-    # Hand the output back in the incoming dtype where the surroundings need it: pure recipes' layers
-    # hold weights in that dtype; outside autocast nothing would cast it. Under autocast leave it be.
+    # Hand the output back in the incoming dtype where the surroundings need it: outside autocast
+    # nothing else would cast it for the next layer's weights. Under autocast leave it be.
     if incoming is not None and (always_restore or not outer_autocast):
         return cast_floating(output, incoming)
     return None

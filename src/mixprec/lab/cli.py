@@ -129,6 +129,7 @@ def _recipe_words(values: Sequence[str] | None) -> list[str]:
     ``key=value`` items form one recipe until a key repeats::
 
         ["fp32,params=bf16,compute=bf16,fp16"] -> ["fp32", "params=bf16,compute=bf16", "fp16"]
+        ["fp32,bf16,fp32_ops=softmax"] -> ["fp32", "bf16,fp32_ops=softmax"]
     """
     if values is None:
         return list(DEFAULT_RECIPES)
@@ -147,7 +148,18 @@ def _recipe_words(values: Sequence[str] | None) -> list[str]:
                 specs.append(item)
         if group:
             specs.append(",".join(group))
-    return specs
+    # Op-list and module keys right after a name edit that named recipe: bf16,fp32_ops=softmax.
+    merged: list[str] = []
+    for spec in specs:
+        keys = {item.partition("=")[0].strip() for item in split_top_level(spec)}
+        if merged and "=" not in split_top_level(merged[-1])[0] and "=" in spec and keys <= _EDIT_KEYS:
+            merged[-1] += "," + spec
+        else:
+            merged.append(spec)
+    return merged
+
+
+_EDIT_KEYS = {"fp32_ops", "low_ops", "follow_ops", "modules"}
 
 
 # ---------------------------------------------------------------------------------------- compare

@@ -1,0 +1,142 @@
+"""Op lists: autocast's lists as probed, edits that change exactly the targeted ops, and their cost of zero
+when nothing is edited."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec import MixedPrecision, parse_recipe
+from mixprec.oplists import (OpListMode, OpPolicy, autocast_op_lists, check_op_names, default_policy,
+                             op_list_mode)
+
+LOW = torch.bfloat16
+
+
+def test_probed_cpu_lists_agree_with_what_autocast_does():
+    lists = autocast_op_lists("cpu", LOW)
+    # Spot checks against torch's autocast_mode.cpp registrations for CPU.
+    assert {"mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "conv2d"} <= lists.low
+    assert {"nll_loss", "mse_loss", "prod", "cross_entropy_loss", "binary_cross_entropy"} <= lists.fp32
+    assert {"cat", "stack"} <= lists.follow
+    assert not (lists.low & lists.fp32) and not (lists.low & lists.follow)
+    # And against behaviour: run the ops for real and look at the dtypes that come out.
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    pred, target = torch.randn(6).to(LOW), torch.randn(6).to(LOW)
+    with torch.autocast("cpu", dtype=LOW):
+        assert torch.bmm(a, b).dtype == LOW                                    # low: fp32 in, bf16 out
+        assert F.mse_loss(pred, target).dtype == torch.float32                 # fp32: bf16 in, fp32 out
+        assert torch.cat([a.flatten(), pred]).dtype == torch.float32           # follow: widest input
+        assert torch.softmax(pred, 0).dtype == LOW                             # on no list: follows
+    assert default_policy("softmax", "cpu", LOW) is OpPolicy.FOLLOW
+    assert default_policy("cross_entropy", "cpu", LOW) is OpPolicy.FP32       # via cross_entropy_loss
+    assert autocast_op_lists("cpu", torch.float16).low == lists.low
+
+
+def _ops(x, w, a, b, pred, target):
+    """Independent ops on the same inputs: an edit to one cannot reach another through its output."""
+    return {"softmax": F.softmax(x, -1), "layer_norm": F.layer_norm(x, x.shape[-1:]),
+            "bmm": torch.bmm(a, b), "linear": F.linear(x, w), "gelu": F.gelu(x),
+            "mse_loss": F.mse_loss(pred, target), "matmul": x @ w.t()}
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g).to(LOW)             # a 16-bit activation, as in a bf16 model
+    w = torch.randn(6, 8, generator=g)                     # an fp32 weight
+    a, b = torch.randn(2, 3, 4, generator=g), torch.randn(2, 4, 5, generator=g)
+    pred, target = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    return x, w, a, b, pred, target
+
+
+@pytest.mark.parametrize("edits, manual", [
+    ({"softmax": OpPolicy.FP32, "layer_norm": OpPolicy.FP32},
+     {"softmax": lambda x, w, a, b, p, t: F.softmax(x.float(), -1),
+      "layer_norm": lambda x, w, a, b, p, t: F.layer_norm(x.float(), (8,))}),
+    ({"mse_loss": OpPolicy.LOW, "gelu": OpPolicy.FP32},
+     {"mse_loss": lambda x, w, a, b, p, t: F.mse_loss(p.to(LOW), t.to(LOW)),
+      "gelu": lambda x, w, a, b, p, t: F.gelu(x.float())}),
+    ({"linear": OpPolicy.FOLLOW, "matmul": OpPolicy.FP32},
+     # follow: the widest input dtype; x is bf16 and w fp32, so fp32.
+     {"linear": lambda x, w, a, b, p, t: F.linear(x.float(), w),
+      "matmul": lambda x, w, a, b, p, t: x.float() @ w.t()}),
+])
+def test_each_edit_changes_exactly_its_ops_bitwise_as_a_manual_cast(edits, manual):
+    inputs = _inputs()
+    with torch.autocast("cpu", dtype=LOW):
+        plain = _ops(*inputs)
+    with torch.autocast("cpu", dtype=LOW), OpListMode(edits, "cpu"):
+        edited = _ops(*inputs)
+    for op, expected_fn in manual.items():
+        expected = expected_fn(*inputs)                    # outside autocast: the manual cast-then-call
+        assert edited[op].dtype == expected.dtype != plain[op].dtype, op
+        assert torch.equal(edited[op], expected), op
+    for op in set(plain) - set(edits):
+        assert edited[op].dtype == plain[op].dtype and torch.equal(edited[op], plain[op]), op
+
+
+def test_edits_act_only_inside_autocast_and_backward_reaches_the_input_dtype():
+    x = torch.randn(3, 5).to(LOW).requires_grad_()
+    mode = OpListMode({"softmax": OpPolicy.FP32}, "cpu")
+    with mode:
+        assert torch.softmax(x, -1).dtype == LOW           # no autocast around: nothing to edit
+    with torch.autocast("cpu", dtype=LOW), mode:
+        y = x.softmax(-1)                                  # the Tensor method is caught too
+    assert y.dtype == torch.float32
+    (y * torch.arange(5.0)).sum().backward()
+    assert x.grad.dtype == LOW                             # the cast is an ordinary .to(): differentiable
+    expected = torch.autograd.grad((torch.softmax(x.float(), -1) * torch.arange(5.0)).sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+
+
+def test_default_lists_install_nothing():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    for recipe in ("bf16", "bf16,low_ops=bmm+linear,fp32_ops=nll_loss"):   # the latter: CPU's defaults
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)
+        assert mp._op_mode is None
+        with mp.autocast():
+            assert torch._C._len_torch_function_stack() == 0   # no mode: no per-op Python work
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16,fp32_ops=softmax+bmm")
+    assert mp._op_mode is not None and mp._op_mode.edits == {"softmax": OpPolicy.FP32,
+                                                             "bmm": OpPolicy.FP32}
+    assert op_list_mode({"linear": OpPolicy.LOW}, "cpu") is None
+
+
+def test_engine_applies_edits_in_its_autocast():
+    torch.manual_seed(0)
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x):                              # (B, T, 8)
+            q, k, v = self.qkv(x).split(8, dim=-1)
+            att = torch.softmax(q @ k.transpose(1, 2) / 8**0.5, dim=-1)
+            self.att_dtype = att.dtype
+            return (att @ v).sum()
+
+    model = Attn()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16,fp32_ops=softmax")
+    with mp.autocast():
+        loss = model(torch.randn(2, 5, 8))
+    assert model.att_dtype == torch.float32
+    mp.backward(loss)
+    assert model.qkv.weight.grad.dtype == torch.float32 and torch.isfinite(model.qkv.weight.grad).all()
+
+
+def test_unknown_op_names_suggest_close_ones():
+    with pytest.raises(ValueError, match=r"unknown op 'softmx' in fp32_ops; did you mean softmax"):
+        check_op_names(("softmx",), key="fp32_ops")
+    with pytest.raises(ValueError, match=r"'layernorm' in low_ops; did you mean layer_norm"):
+        parse_recipe("bf16,low_ops=layernorm")
+    with pytest.raises(ValueError, match="both fp32_ops and low_ops"):
+        parse_recipe("bf16,fp32_ops=bmm,low_ops=bmm")
+    with pytest.raises(ValueError, match="act where autocast runs"):
+        parse_recipe("fp32_ops=softmax")
+
+
+def test_compare_words_keep_edits_with_the_named_recipe_before_them():
+    from mixprec.lab.cli import _recipe_words
+    assert _recipe_words(["fp32,bf16,fp32_ops=softmax,modules=lm_head:fp32", "bf16,low_ops=bmm,fp16"]) == [
+        "fp32", "bf16,fp32_ops=softmax,modules=lm_head:fp32", "bf16,low_ops=bmm", "fp16"]
