@@ -42,12 +42,15 @@ An edit applies to the torch functions a model calls (``F.softmax``, ``torch.bmm
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
 import functools
+import os
+import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -190,6 +193,21 @@ def _probe(qualified: str, device: str, low: torch.dtype) -> OpPolicy | None:
     return None
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 while deprecated ops are probed: torch.lu, torch.qr and stft print
+    their deprecation notices from C++ straight to stderr, past Python's warnings filters."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _autocast_key(device_type: str) -> str:
     return {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU",
             "mps": "AutocastMPS"}.get(device_type, f"Autocast{device_type.upper()}")
@@ -223,10 +241,11 @@ def autocast_op_lists(device_type: str, low: torch.dtype = torch.bfloat16) -> Op
     names = {_base_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(
         _autocast_key(device_type))}
     by_policy: dict[OpPolicy, set[str]] = {p: set() for p in OpPolicy}
-    for name in names:
-        policies = _probed_policies(device_type, low, name)
-        if policies:
-            by_policy[policies[0]].add(name)
+    with _quiet_stderr():
+        for name in names:
+            policies = _probed_policies(device_type, low, name)
+            if policies:
+                by_policy[policies[0]].add(name)
     return OpLists(device_type, frozenset(by_policy[OpPolicy.LOW]), frozenset(by_policy[OpPolicy.FP32]),
                    frozenset(by_policy[OpPolicy.FOLLOW]))
 
