@@ -111,3 +111,9 @@ def test_regions_survive_an_exception_in_forward():
         model.lm_head(torch.randn(3, 7))                   # wrong width: the forward raises
     assert not torch.is_autocast_enabled("cpu")            # always_call hook restored the state
     assert model.lm_head.__dict__["_mixprec_regions"] == []
+
+
+def test_compare_plan_catches_a_module_typo_before_training():
+    from mixprec.lab.compare import plan_compare
+    with pytest.raises(ValueError, match="did you mean lm_head"):
+        plan_compare("gpt", ["bf16", "bf16,modules=lm_haed:fp32"], steps=1, device="cpu")

@@ -70,6 +70,7 @@ def module_precisions(model: nn.Module, recipe: Recipe) -> dict[str, Precision]:
     """Each module's compute precision by qualified name (``""`` is the model): its own rule, else its
     parent's, else the recipe's compute precision (tf32 counts as fp32).
 
+        >>> from mixprec import parse_recipe
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
         >>> module_precisions(net, parse_recipe("bf16-pure"))
         {'': <Precision.BF16: 'bf16'>, '0': <Precision.BF16: 'bf16'>, '1': <Precision.FP32: 'fp32'>}

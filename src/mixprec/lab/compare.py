@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import __version__
+from ..casting import check_module_patterns
 from ..devices import resolve_device, supports
 from ..recipe import RECIPES, Recipe, get_recipe
 from .report import CompareReport
@@ -71,6 +72,12 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
         parsed.setdefault(str(recipe), recipe)
     if not parsed:
         raise ValueError(f"no recipes to compare; name some, e.g. {','.join(DEFAULT_RECIPES)}")
+    if any(r.modules for r in parsed.values()):
+        # A module glob that matches nothing is a typo: catch it on the real model before training.
+        with torch.random.fork_rng(devices=[]):
+            model = workload.build_model()
+        for recipe in parsed.values():
+            check_module_patterns(model, recipe)
     for recipe in parsed.values():
         support = supports(recipe, device)
         if not support.ok:
