@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from .recipe_fp8 import Fp8Config
+
 __all__ = [
     "Precision", "Rounding", "LossScaleConfig", "Recipe", "RECIPES", "get_recipe", "parse_recipe",
     "split_top_level",
@@ -172,8 +174,11 @@ class Recipe:
     loss_scale: LossScaleConfig = LossScaleConfig(kind="none")
     rounding: Rounding = Rounding.NEAREST
     fp32_modules: tuple[str, ...] = DEFAULT_FP32_MODULES
+    fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe_fp8.py)
 
     def __post_init__(self) -> None:
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise TypeError(f"Recipe.fp8 must be an Fp8Config or None, got {self.fp8!r}")
         for name in ("param", "compute"):
             if not isinstance(getattr(self, name), Precision):
                 raise TypeError(f"Recipe.{name} must be a Precision, got {getattr(self, name)!r}")
@@ -221,6 +226,8 @@ class Recipe:
             parts.append(f"rounding={self.rounding.value}")
         if self.fp32_modules != DEFAULT_FP32_MODULES:
             parts.append(f"fp32_modules={'+'.join(self.fp32_modules) or 'none'}")
+        if self.fp8 is not None:
+            parts.append(f"fp8={self.fp8}")
         return ",".join(parts)
 
 
@@ -252,9 +259,12 @@ RECIPES: dict[str, Recipe] = {
                         loss_scale=_FP16_DYNAMIC),
     "bf16-pure": Recipe(param=Precision.BF16, compute=Precision.BF16, master=Precision.FP32),
     "bf16-sr": Recipe(param=Precision.BF16, compute=Precision.BF16, rounding=Rounding.STOCHASTIC),
+    # fp8 on top of bf16 autocast: eligible linears in fp8, the rest (norms, softmax, loss) as bf16.
+    "fp8": Recipe(compute=Precision.BF16, fp8=Fp8Config()),
+    "fp8-delayed": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("delayed")),
 }
 
-_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules")
+_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", "fp8")
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:
@@ -271,7 +281,8 @@ def parse_recipe(text: str) -> Recipe:
 
     Keys: ``params``, ``compute`` (defaults to params), ``master`` (fp32|none, default none),
     ``scale`` (none | static:V | dynamic[(opts)]; default dynamic for fp16 compute, else none),
-    ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none).
+    ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none),
+    ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none).
     """
     text = text.strip()
     if text in RECIPES:
@@ -305,8 +316,11 @@ def parse_recipe(text: str) -> Recipe:
     if "fp32_modules" in fields:
         word = fields["fp32_modules"]
         modules = () if word == "none" else tuple(m for m in word.split("+") if m)
+    fp8 = None
+    if fields.get("fp8", "none") != "none":
+        fp8 = Fp8Config.parse(fields["fp8"])
     return Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
-                  fp32_modules=modules, _explicit_none=fields.get("scale") == "none")
+                  fp32_modules=modules, fp8=fp8, _explicit_none=fields.get("scale") == "none")
 
 
 def split_top_level(text: str) -> list[str]:
