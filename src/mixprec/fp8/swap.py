@@ -130,14 +130,14 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
     for i, (name, module) in enumerate(linears):
         out_f, in_f = module.weight.shape
         reason, detail = _decide(i, len(linears), name, module, config, filter, keeps_fp32)
+        if reason is Fp8Reason.FORCED and type(module) is not nn.Linear:
+            raise ValueError(f"fp8 forced on {name!r}, a {type(module).__name__}: only plain nn.Linear "
+                             "layers can be swapped (a subclass's forward would be lost)")
         if reason is Fp8Reason.FORCED and (out_f % _ALIGN or in_f % _ALIGN):
             raise ValueError(
                 f"fp8 forced on {name!r}, an nn.Linear with weight shape ({out_f}, {in_f}) (out, in): fp8 "
                 f"matmuls need both dimensions to be multiples of {_ALIGN}; pad the layer (e.g. to "
                 f"({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})) or drop it from force=")
-        if reason is Fp8Reason.FORCED and type(module) is not nn.Linear:
-            raise ValueError(f"fp8 forced on {name!r}, a {type(module).__name__}: only plain nn.Linear "
-                             "layers can be swapped (a subclass's forward would be lost)")
         decisions.append(Fp8LayerDecision(name, out_f, in_f, reason, detail))
         if reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
             replace[id(module)] = Fp8Linear.from_linear(module, config, backend)
