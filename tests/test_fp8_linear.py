@@ -168,3 +168,19 @@ def test_fp8_trains_the_mlp_within_tolerance_of_bf16():
         assert abs(results[r].test_metric - results["bf16"].test_metric) <= 0.02, results[r].test_metric
         assert abs(results[r].final_loss - results["bf16"].final_loss) <= 0.05
     assert mixprec.get_recipe("fp8").fp8 is not None
+
+
+@pytest.mark.skipif("scaled_mm" not in BACKENDS, reason="torch._scaled_mm does not run on this CPU build")
+def test_backward_keeps_fp8_copies_and_only_the_ones_it_needs():
+    layer = Fp8Linear.from_linear(nn.Linear(32, 16), Fp8Config(), "scaled_mm")
+    for x_grad in (False, True):
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(torch.randn(8, 32, requires_grad=x_grad))
+        big = [s for s in saved if s[1]]                      # leave out the 0-d inverse scales
+        want = [(torch.float8_e4m3fn, (8, 32))] + ([(torch.float8_e4m3fn, (16, 32))] if x_grad else [])
+        assert big == want, saved                              # 1 byte per element, W only if needed

@@ -49,7 +49,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         # Reciprocals undo the scales after the matmul; exact when the scales are powers of two.
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
         out = layer._mm(x_q, w_q.t(), inv_x, inv_w, out_dtype)     # (M, N)
-        ctx.save_for_backward(x_q, w_q, inv_x, inv_w)
+        # Keep only what backward will use: the fp8 x for the weight gradient, the fp8 W for the input
+        # gradient (a first layer fed with data needs no input gradient, so no copy of W is kept).
+        ctx.save_for_backward(x_q if ctx.needs_input_grad[1] else None,
+                              w_q if ctx.needs_input_grad[0] else None, inv_x, inv_w)
         ctx.layer, ctx.x_dtype, ctx.w_dtype = layer, x2d.dtype, weight.dtype
         return out
 
