@@ -184,3 +184,18 @@ def test_backward_keeps_fp8_copies_and_only_the_ones_it_needs():
         big = [s for s in saved if s[1]]                      # leave out the 0-d inverse scales
         want = [(torch.float8_e4m3fn, (8, 32))] + ([(torch.float8_e4m3fn, (16, 32))] if x_grad else [])
         assert big == want, saved                              # 1 byte per element, W only if needed
+
+
+def test_delayed_scales_of_a_layer_follow_the_hand_computed_walk():
+    # The same walk as test_fp8_scaling's, through the layer: history 3, amax = max; input amaxes
+    # 2, 8, 0, inf, 1 -> scales 448/2, 448/2, 448/8, 448/8, 448/8 (see test_fp8_scaling for the steps).
+    layer = Fp8Linear.from_linear(nn.Linear(16, 16), Fp8Config.parse("delayed(history=3)"), "emulate")
+    scales = []
+    for amax in (2.0, 8.0, 0.0, math.inf, 1.0):
+        x = torch.zeros(4, 16)
+        x[0, 0] = amax
+        x[1, 1] = -amax / 4 if math.isfinite(amax) else 0.0
+        layer(x)
+        scales.append(layer.input_scale.item())
+    assert scales == [224.0, 224.0, 56.0, 56.0, 56.0]
+    assert layer.input_history.tolist() == [1.0, 0.0, 0.0]
