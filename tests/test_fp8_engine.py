@@ -172,3 +172,18 @@ def test_recipes_reach_the_lab_and_devices():
     assert [r.label for r in plan.recipes] == ["fp8", "fp8-delayed", "bf16"]
     assert supports(parse_recipe("fp8-delayed"), "cpu").ok
     assert Fp8Config.parse("current") == get_recipe("fp8").fp8
+
+
+def test_cli_compares_fp8_recipes_and_refuses_bad_ones_in_one_line(capsys):
+    from mixprec.lab.cli import main
+    saved = torch.get_num_threads()
+    try:
+        assert main(["compare", "--recipes", "bf16,fp8,compute=bf16,fp8=delayed(history=4,pow2=true)",
+                     "--steps", "3", "--device", "cpu", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(saved)
+    out = capsys.readouterr().out
+    assert "fp8 " in out and "fp8=delayed(history=4,pow2=true)" in out
+    assert main(["compare", "--recipes", "compute=bf16,fp8=delayed(amax=mean)"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mixprec: error: unknown fp8 amax 'mean'; valid values: max, recent"]
