@@ -36,7 +36,8 @@ _MAX_SCALE = 2.0**64
 
 def amax_f32(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a 0-d fp32 tensor (exact: a max picks an existing value). NaN if x holds NaN."""
-    return x.detach().abs().amax().to(torch.float32)
+    # The inf-norm is max |x| in one reduction, without abs()'s full-size temporary.
+    return torch.linalg.vector_norm(x.detach(), float("inf")).to(torch.float32)
 
 
 def _usable(amax: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,7 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tens
     Bit for bit ``quantize(x * scale, fmt, saturate=True)`` (tests/test_fp8.py checks it).
     """
     y = x.to(torch.float32) * scale
-    special = y if fmt.has_inf else torch.full_like(y, float("nan"))
+    special = y if fmt.has_inf else float("nan")
     y = torch.where(torch.isinf(y), special, y.clamp(-fmt.max, fmt.max))   # clamp keeps NaN as NaN
     return y.to(fmt.torch_dtype)
 
