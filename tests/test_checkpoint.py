@@ -23,7 +23,8 @@ def run(recipe, ckpt, total, kill_at=0, resume=False):
 
 
 @pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-sr",
-                                    "params=fp32,compute=fp16,master=none,scale=dynamic(growth_interval=2)"])
+                                    "params=fp32,compute=fp16,master=none,scale=dynamic(growth_interval=2)",
+                                    "compute=bf16,fp8=delayed(history=4,amax=max)"])
 def test_killed_run_resumes_bit_for_bit(tmp_path, recipe):
     whole = run(recipe, tmp_path / "whole.ckpt", total=9)
     assert whole.returncode == 0, whole.stderr
@@ -33,6 +34,8 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, recipe):
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout == whole.stdout          # weights, masters, scale and skip count
     assert whole.stdout.split()[2] == "1"          # the planted overflow was skipped in both
+    if "fp8" in recipe:                            # the digest covers the amax histories too
+        assert whole.stdout.split()[3] == "2"      # two fp8 layers
 
 
 def engine(recipe="fp16-pure", seed=0):

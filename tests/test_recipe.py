@@ -42,6 +42,10 @@ def test_named_recipes_match_the_design_table():
     "params=fp32,compute=fp16,master=none,scale=dynamic,follow_ops=linear,modules=lm_head:fp32",
     "params=fp32,compute=fp32,master=none,scale=none,low_ops=mse_loss,modules=blocks.*.attn:bf16",
     "params=bf16,compute=bf16,master=fp32,scale=none,fp32_modules=none,modules=LayerNorm:fp32+h?:bf16",
+    "params=fp32,compute=bf16,master=none,scale=none,fp8=delayed(history=4,amax=recent,margin=1,pow2=true)",
+    "params=bf16,compute=bf16,master=fp32,scale=none,fp8=current(skip=lm_head+blocks.*.attn.*,skip_first=true)",
+    "params=fp32,compute=fp16,master=none,scale=dynamic,fp8=current(force=mlp.c_fc,backend=emulate)",
+    "params=fp32,compute=bf16,master=none,scale=none,fp8=delayed(skip_last=true,backend=scaled_mm)",
 ])
 def test_custom_recipe_round_trips(text):
     recipe = parse_recipe(text)
@@ -83,6 +87,16 @@ def test_dataclasses_replace_varies_a_recipe():
     ("compute=fp16,compute=bf16", ["given twice"]),
     ("compute=fp16,scale=dynamic(growth=0.5)", ["growth must be > 1"]),
     ("compute=fp16,scale=dynamic(floor=2**20)", ["floor <= init <= ceiling"]),
+    ("compute=bf16,fp8=later", ["unknown fp8 scaling 'later'", "current", "delayed"]),
+    ("compute=bf16,fp8=delayed(length=4)", ["unknown fp8 option", "history", "margin", "pow2", "skip"]),
+    ("compute=bf16,fp8=delayed(amax=mean)", ["unknown fp8 amax 'mean'", "max", "recent"]),
+    ("compute=bf16,fp8=delayed(history=0)", ["history must be >= 1"]),
+    ("compute=bf16,fp8=delayed(history=many)", ["history must be an integer"]),
+    ("compute=bf16,fp8=delayed(pow2=yes)", ["pow2 must be true or false"]),
+    ("compute=bf16,fp8=current(history=4)", ["apply to delayed scaling"]),
+    ("compute=bf16,fp8=current(backend=cuda)", ["unknown fp8 backend", "scaled_mm", "emulate"]),
+    ("compute=bf16,fp8=current(skip=a,force=a)", ["both skipped and forced"]),
+    ("compute=bf16,fp8=current(margin=2,margin=3)", ["given twice"]),
 ])
 def test_bad_recipes_name_the_problem(text, words):
     with pytest.raises(ValueError) as info:
@@ -95,6 +109,19 @@ def test_fp16_without_scaling_needs_to_be_spelled_out():
     with pytest.raises(ValueError, match="spell scale=none"):
         Recipe(compute=Precision.FP16, loss_scale=LossScaleConfig(kind="none"))
     assert parse_recipe("compute=fp16,scale=none").loss_scale.kind == "none"
+
+
+def test_fp8_recipes_sit_on_a_bf16_base():
+    from mixprec import Fp8Config, Fp8Scaling
+    fp8, delayed = RECIPES["fp8"], RECIPES["fp8-delayed"]
+    assert fp8.compute is Precision.BF16 and fp8.fp8 == Fp8Config() and fp8.fp8.scaling is Fp8Scaling.CURRENT
+    assert delayed.fp8.delayed and (delayed.fp8.history, delayed.fp8.amax) == (16, "max")
+    assert str(fp8) == "params=fp32,compute=bf16,master=none,scale=none,fp8=current"
+    assert parse_recipe("compute=bf16,fp8=current").name == "fp8"
+    assert parse_recipe("compute=bf16,fp8=none") == RECIPES["bf16"]
+    assert dataclasses.replace(fp8, fp8=None) == RECIPES["bf16"]
+    with pytest.raises(TypeError, match="Fp8Config"):
+        Recipe(compute=Precision.BF16, fp8="current")
 
 
 def test_get_recipe_rejects_other_types():

@@ -3,12 +3,15 @@
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .devices import Support, supports
 from .diagnostics.optrace import OpRecord, OpTrace, trace_ops
-from .engine import MixedPrecision, StepResult
+from .diagnostics.fp8 import Fp8LayerStats, Fp8TensorStats, count_fp8_ranges, fp8_layer_stats
+from .engine import Fp8EmulationWarning, MixedPrecision, StepResult
+from .fp8 import Fp8LayerDecision, Fp8Linear, Fp8Reason, Fp8SwapReport
 from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
                       classify, get_format, quantize)
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
 from .oplists import OpLists, OpPolicy, autocast_op_lists
 from .recipe import RECIPES, LossScaleConfig, Precision, Recipe, Rounding, get_recipe, parse_recipe
+from .recipe_fp8 import Fp8Config, Fp8Scaling
 
 __version__ = "0.1.0"
 
@@ -21,4 +24,6 @@ __all__ = [
     "Format", "FORMATS", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2", "get_format",
     "quantize", "classify", "RangeCounts",
     "OpPolicy", "OpLists", "autocast_op_lists", "trace_ops", "OpTrace", "OpRecord",
+    "Fp8Config", "Fp8Scaling", "Fp8Linear", "Fp8SwapReport", "Fp8LayerDecision", "Fp8Reason",
+    "Fp8EmulationWarning", "fp8_layer_stats", "count_fp8_ranges", "Fp8LayerStats", "Fp8TensorStats",
 ]

@@ -41,6 +41,12 @@ def supports(recipe: Recipe, device: torch.device | str) -> Support:
         if compute is Precision.BF16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             return Support(False, f"{device} has no bf16 support (it needs compute capability 8.0, "
                                   "Ampere, or later): use fp16")
+    if recipe.fp8 is not None and recipe.fp8.backend == "scaled_mm":
+        # backend=auto runs anywhere (emulated where torch._scaled_mm cannot); scaled_mm was demanded.
+        from .fp8.matmul import probe_scaled_mm   # here: fp8.matmul imports this module's Support
+        fp8 = probe_scaled_mm(device)
+        if not fp8.ok:
+            return Support(False, f"{fp8.reason}: use fp8 backend=auto (emulates) or a bf16 recipe")
     return Support(True)
 
 

@@ -23,20 +23,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from .casting import cast_model, low_precision_params
+from .casting import cast_model, keeps_fp32, low_precision_params
 from .devices import supports
+from .fp8.state import fp8_state_dict, load_fp8_state_dict
+from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
 from .master import MasterWeights
 from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
 
-__all__ = ["MixedPrecision", "StepResult"]
+__all__ = ["MixedPrecision", "StepResult", "Fp8EmulationWarning"]
+
+
+class Fp8EmulationWarning(UserWarning):
+    """An fp8 recipe runs emulated (exact fp8 rounding, fp32 matmuls) on a device without fp8 matmuls."""
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
 # finite clip coefficient (clamped to 1 anyway).
@@ -87,10 +94,16 @@ class MixedPrecision:
     install casting hooks) and, for recipes with a master copy or stochastic rounding, the optimizer's
     references to the low-precision weights are replaced by fp32 copies. ``clip_grad_norm`` clips the
     global L2 norm of the *unscaled* gradients.
+
+    fp8 recipes swap eligible ``nn.Linear`` layers for ``Fp8Linear`` here (sharing their Parameters);
+    ``fp8_filter(name, module) -> bool`` keeps layers out, and ``fp8_report`` says what was swapped and
+    why the rest was not. Where the device has no fp8 matmuls the emulation runs and an
+    ``Fp8EmulationWarning`` says so, once, here.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: str | Recipe = "fp16",
-                 *, clip_grad_norm: float | None = None, seed: int = 0) -> None:
+                 *, clip_grad_norm: float | None = None, seed: int = 0,
+                 fp8_filter: Callable[[str, nn.Module], bool] | None = None) -> None:
         self.recipe = get_recipe(recipe)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -127,6 +140,17 @@ class MixedPrecision:
         if self.recipe.param.is_low:
             self.master = MasterWeights(low, optimizer, keep=self.recipe.master is not None,
                                         rounding=self.recipe.rounding, seed=seed)
+        self.fp8_report: Fp8SwapReport | None = None
+        if self.recipe.fp8 is not None:
+            backend, note = resolve_backend(self.recipe.fp8, self.device)
+            if note:
+                warnings.warn(note, Fp8EmulationWarning, stacklevel=2)
+            keeps = (lambda m: keeps_fp32(m, self.recipe)) if self.recipe.param.is_low else None
+            self.fp8_report = swap_to_fp8(model, self.recipe.fp8, backend=backend, note=note,
+                                          filter=fp8_filter, keeps_fp32=keeps)
+        elif fp8_filter is not None:
+            raise ValueError(f"fp8_filter was given but recipe {self.recipe.label!r} has no fp8; use an fp8 "
+                             "recipe (e.g. 'fp8') or drop fp8_filter")
         self._hooks = cast_model(model, self.recipe, self.device.type)
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
@@ -255,13 +279,15 @@ class MixedPrecision:
         return int(self.loss_scale.steps)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything mixprec owns: recipe, loss scale, master weights, stochastic-rounding generator.
+        """Everything mixprec owns: recipe, loss scale, master weights, stochastic-rounding generator,
+        fp8 scale state (scales, amax histories) per fp8 layer.
 
         The model's and the optimizer's own state dicts are theirs to save (``save_checkpoint`` saves
         all of it together).
         """
         return {"recipe": str(self.recipe), "loss_scale": self.loss_scale.state_dict(),
-                "master": self.master.state_dict() if self.master is not None else None}
+                "master": self.master.state_dict() if self.master is not None else None,
+                "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("recipe") != str(self.recipe):
@@ -270,3 +296,5 @@ class MixedPrecision:
         self.loss_scale.load_state_dict(state["loss_scale"])
         if self.master is not None:
             self.master.load_state_dict(state["master"])
+        if self.fp8_report is not None:
+            load_fp8_state_dict(self.model, state["fp8"])

@@ -23,6 +23,7 @@ import re
 import torch
 
 from .oplists import OpPolicy, check_op_names
+from .recipe_fp8 import Fp8Config
 
 __all__ = [
     "Precision", "Rounding", "LossScaleConfig", "Recipe", "RECIPES", "get_recipe", "parse_recipe",
@@ -191,8 +192,11 @@ class Recipe:
     low_ops: tuple[str, ...] = ()
     follow_ops: tuple[str, ...] = ()
     modules: tuple[tuple[str, Precision], ...] = ()
+    fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe_fp8.py)
 
     def __post_init__(self) -> None:
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise TypeError(f"Recipe.fp8 must be an Fp8Config or None, got {self.fp8!r}")
         self._check_op_lists_and_modules()
         for name in ("param", "compute"):
             if not isinstance(getattr(self, name), Precision):
@@ -276,6 +280,8 @@ class Recipe:
         parts += [f"{key}={'+'.join(getattr(self, key))}" for key in _OP_KEYS if getattr(self, key)]
         if self.modules:
             parts.append("modules=" + "+".join(f"{p}:{prec.value}" for p, prec in self.modules))
+        if self.fp8 is not None:
+            parts.append(f"fp8={self.fp8}")
         return ",".join(parts)
 
 
@@ -307,9 +313,12 @@ RECIPES: dict[str, Recipe] = {
                         loss_scale=_FP16_DYNAMIC),
     "bf16-pure": Recipe(param=Precision.BF16, compute=Precision.BF16, master=Precision.FP32),
     "bf16-sr": Recipe(param=Precision.BF16, compute=Precision.BF16, rounding=Rounding.STOCHASTIC),
+    # fp8 on top of bf16 autocast: eligible linears in fp8, the rest (norms, softmax, loss) as bf16.
+    "fp8": Recipe(compute=Precision.BF16, fp8=Fp8Config()),
+    "fp8-delayed": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("delayed")),
 }
 
-_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules")
+_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8")
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:
@@ -328,8 +337,9 @@ def parse_recipe(text: str) -> Recipe:
     ``scale`` (none | static:V | dynamic[(opts)]; default dynamic for fp16 compute, else none),
     ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none),
     ``fp32_ops``/``low_ops``/``follow_ops`` (op names joined by ``+``), ``modules`` (``PATTERN:PRECISION``
-    joined by ``+``). A named recipe may lead, and the keys after it change it:
-    ``bf16,fp32_ops=softmax`` is bf16 with softmax in fp32.
+    joined by ``+``), ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none).
+    A named recipe may lead, and the keys after it change it: ``bf16,fp32_ops=softmax`` is bf16 with
+    softmax in fp32.
     """
     text = text.strip()
     if text in RECIPES:
@@ -369,8 +379,11 @@ def parse_recipe(text: str) -> Recipe:
     if "fp32_modules" in fields:
         word = fields["fp32_modules"]
         modules = () if word == "none" else tuple(m for m in word.split("+") if m)
+    fp8 = None
+    if fields.get("fp8", "none") != "none":
+        fp8 = Fp8Config.parse(fields["fp8"])
     return Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
-                  fp32_modules=modules, _explicit_none=fields.get("scale") == "none",
+                  fp32_modules=modules, fp8=fp8, _explicit_none=fields.get("scale") == "none",
                   **_op_list_fields(fields))
 
 

@@ -1,0 +1,17 @@
+"""fp8 training: per-tensor scaling (scaling.py), scaled matmuls (matmul.py), the fp8 linear layer
+(linear.py) and the swap of eligible ``nn.Linear`` layers with its report (swap.py).
+
+The engine swaps layers when a recipe has ``fp8=...``; these names are for users who want the layer,
+the scales or the report on their own.
+"""
+
+from .linear import ROLES, Fp8Linear
+from .matmul import emulated_mm, probe_scaled_mm, scaled_mm
+from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, quantize_fp8, record_amax
+from .swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport, resolve_backend, swap_to_fp8
+
+__all__ = [
+    "Fp8Linear", "ROLES", "probe_scaled_mm", "scaled_mm", "emulated_mm",
+    "amax_f32", "current_scale", "delayed_scale", "record_amax", "cast_to_fp8", "quantize_fp8",
+    "Fp8Reason", "Fp8LayerDecision", "Fp8SwapReport", "swap_to_fp8", "resolve_backend",
+]

@@ -1,0 +1,38 @@
+"""fp8 scale state of a whole model: collected per layer for checkpoints, restored bit for bit.
+
+    state = fp8_state_dict(model)        # {"blocks.0.mlp.c_fc": {"input_scale": ..., ...}, ...}
+    load_fp8_state_dict(model, state)    # ValueError if layers or shapes do not match
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import Fp8Linear
+
+__all__ = ["fp8_layers", "fp8_state_dict", "load_fp8_state_dict"]
+
+
+def fp8_layers(model: nn.Module) -> dict[str, Fp8Linear]:
+    """The model's fp8 linears by qualified name, in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def fp8_state_dict(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Copies of every fp8 layer's scale state (scales, last amaxes, histories, range counts)."""
+    return {name: layer.fp8_state() for name, layer in fp8_layers(model).items()}
+
+
+def load_fp8_state_dict(model: nn.Module, state: dict[str, dict[str, torch.Tensor]] | None) -> None:
+    """Restore ``fp8_state_dict``'s output into the same fp8 layers; a mismatch is a ValueError."""
+    layers = fp8_layers(model)
+    if state is None or set(state) != set(layers):
+        saved = sorted(state) if state is not None else "none"
+        raise ValueError(f"fp8 state holds layers {saved}, the model's fp8 layers are {sorted(layers)}: "
+                         "build the model and the fp8 recipe as they were when the state was saved")
+    for name, layer in layers.items():
+        try:
+            layer.load_fp8_state(state[name])
+        except ValueError as exc:
+            raise ValueError(f"fp8 layer {name!r}: {exc}") from None

@@ -1,0 +1,175 @@
+"""Which ``nn.Linear`` layers become fp8, the swap itself, and a typed report of every decision.
+
+A layer is swapped for an ``Fp8Linear`` when it is exactly ``nn.Linear`` (subclasses have forwards of
+their own), both weight dimensions are multiples of 16 (fp8 tensor-core GEMMs need it), and nothing
+excludes it: a ``skip`` glob on its qualified name, ``skip_first``/``skip_last`` (the first/last
+``nn.Linear`` in module registration order), a user ``filter(name, module) -> bool``, or a pure
+recipe's ``fp32_modules``. ``force`` names layers that must be fp8: an error if one cannot be::
+
+    report = swap_to_fp8(model, Fp8Config(skip=("lm_head",)), backend="emulate")
+    print(report)            # one line per linear: name, shape, fp8 or why not
+    report.swapped           # ('blocks.0.attn.c_attn', ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import fnmatch
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..recipe_fp8 import Fp8Config
+from .linear import Fp8Linear
+from .matmul import probe_scaled_mm
+
+__all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8SwapReport", "swap_to_fp8", "resolve_backend"]
+
+_ALIGN = 16
+
+
+class Fp8Reason(enum.Enum):
+    """Why a linear layer was, or was not, swapped for fp8."""
+
+    SWAPPED = "fp8"
+    FORCED = "fp8 (forced)"
+    SHAPE = "weight dims not multiples of 16"
+    SKIP = "matches a skip pattern"
+    FIRST = "first linear (skip_first)"
+    LAST = "last linear (skip_last)"
+    FILTER = "the fp8 filter returned False"
+    SUBCLASS = "a subclass of nn.Linear (its own forward)"
+    FP32 = "kept fp32 by fp32_modules"
+    ROOT = "the model itself is the linear (wrap it in a module)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LayerDecision:
+    """One linear layer: its qualified name, weight shape ``(out, in)``, and what happened to it."""
+
+    name: str
+    out_features: int
+    in_features: int
+    reason: Fp8Reason
+    detail: str = ""     # e.g. the skip pattern that matched
+
+    @property
+    def swapped(self) -> bool:
+        return self.reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8SwapReport:
+    """Every ``nn.Linear`` of a model, in module order, with the swap decision; plus the backend."""
+
+    layers: tuple[Fp8LayerDecision, ...]
+    backend: str            # "scaled_mm" or "emulate"
+    note: str = ""          # why the emulation runs, when it was not asked for
+
+    @property
+    def swapped(self) -> tuple[str, ...]:
+        """Qualified names of the layers now computing in fp8."""
+        return tuple(d.name for d in self.layers if d.swapped)
+
+    @property
+    def not_swapped(self) -> dict[str, Fp8Reason]:
+        """The other linears and why each stayed in the base recipe."""
+        return {d.name: d.reason for d in self.layers if not d.swapped}
+
+    def __str__(self) -> str:
+        width = max([len("layer")] + [len(d.name) for d in self.layers])
+        lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} linear layers swapped, backend "
+                 f"{self.backend}" + (f" ({self.note})" if self.note else ""),
+                 f"  {'layer':<{width}}  {'weight (out, in)':>16}  decision"]
+        for d in self.layers:
+            shape = f"({d.out_features}, {d.in_features})"
+            why = d.reason.value + (f": {d.detail}" if d.detail else "")
+            lines.append(f"  {d.name:<{width}}  {shape:>16}  {why}")
+        return "\n".join(lines)
+
+
+def resolve_backend(config: Fp8Config, device: torch.device | str) -> tuple[str, str]:
+    """``(backend, note)`` for ``device``: ``auto`` picks scaled_mm where it runs, else the emulation.
+
+    ``backend=scaled_mm`` on a device that cannot run it is a ValueError with the reason. The note is
+    non-empty when ``auto`` falls back to the emulation (the engine shows it once, as a warning).
+    """
+    if config.backend == "emulate":
+        return "emulate", ""
+    support = probe_scaled_mm(device)
+    if support.ok:
+        return "scaled_mm", ""
+    if config.backend == "scaled_mm":
+        raise ValueError(f"fp8 backend=scaled_mm cannot run on {device}: {support.reason}; use "
+                         "backend=auto or backend=emulate")
+    return "emulate", (f"fp8 is emulated on {device} (exact fp8 rounding, fp32 matmuls, no speed-up): "
+                       f"{support.reason}")
+
+
+def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str = "",
+                filter: Callable[[str, nn.Module], bool] | None = None,
+                keeps_fp32: Callable[[nn.Module], bool] | None = None) -> Fp8SwapReport:
+    """Replace eligible ``nn.Linear`` modules of ``model`` in place; return the report of every linear.
+
+    ``filter(name, module)`` returning False keeps a layer out; ``keeps_fp32(module)`` True means the
+    recipe keeps it fp32. ValueError for a forced layer that does not exist or cannot be fp8 (its
+    shape is named). Parameters are shared, not copied.
+    """
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = [n for n, _ in linears]
+    for name in config.force:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3)
+            raise ValueError(f"fp8 force={name!r}: the model has no nn.Linear of that name"
+                             + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                                f"; its linears are: {', '.join(names) or 'none'}"))
+    decisions, replace = [], {}
+    for i, (name, module) in enumerate(linears):
+        out_f, in_f = module.weight.shape
+        reason, detail = _decide(i, len(linears), name, module, config, filter, keeps_fp32)
+        if reason is Fp8Reason.FORCED and type(module) is not nn.Linear:
+            raise ValueError(f"fp8 forced on {name!r}, a {type(module).__name__}: only plain nn.Linear "
+                             "layers can be swapped (a subclass's forward would be lost)")
+        if reason is Fp8Reason.FORCED and (out_f % _ALIGN or in_f % _ALIGN):
+            raise ValueError(
+                f"fp8 forced on {name!r}, an nn.Linear with weight shape ({out_f}, {in_f}) (out, in): fp8 "
+                f"matmuls need both dimensions to be multiples of {_ALIGN}; pad the layer (e.g. to "
+                f"({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})) or drop it from force=")
+        decisions.append(Fp8LayerDecision(name, out_f, in_f, reason, detail))
+        if reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
+            replace[id(module)] = Fp8Linear.from_linear(module, config, backend)
+    # Replace every reference (a module shared by two parents is swapped in both).
+    for parent in model.modules():
+        for child_name, child in list(parent.named_children()):
+            if id(child) in replace:
+                setattr(parent, child_name, replace[id(child)])
+    return Fp8SwapReport(tuple(decisions), backend, note)
+
+
+def _decide(i: int, n: int, name: str, module: nn.Module, config: Fp8Config,
+            filter: Callable[[str, nn.Module], bool] | None,
+            keeps_fp32: Callable[[nn.Module], bool] | None) -> tuple[Fp8Reason, str]:
+    out_f, in_f = module.weight.shape
+    if name == "":
+        return Fp8Reason.ROOT, ""
+    if name in config.force:
+        return Fp8Reason.FORCED, ""
+    if type(module) is not nn.Linear:
+        return Fp8Reason.SUBCLASS, type(module).__name__
+    if keeps_fp32 is not None and keeps_fp32(module):
+        return Fp8Reason.FP32, ""
+    pattern = next((p for p in config.skip if fnmatch.fnmatchcase(name, p)), None)
+    if pattern is not None:
+        return Fp8Reason.SKIP, pattern
+    if config.skip_first and i == 0:
+        return Fp8Reason.FIRST, ""
+    if config.skip_last and i == n - 1:
+        return Fp8Reason.LAST, ""
+    if filter is not None and not filter(name, module):
+        return Fp8Reason.FILTER, ""
+    if out_f % _ALIGN or in_f % _ALIGN:
+        return Fp8Reason.SHAPE, f"pad to ({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})"
+    return Fp8Reason.SWAPPED, ""

@@ -1,0 +1,142 @@
+"""The fp8 part of a recipe: how fp8 linears scale their tensors and which layers become fp8.
+
+A recipe with ``fp8=...`` runs eligible ``nn.Linear`` layers as fp8 matmuls (inputs and weights in
+e4m3, output gradients in e5m2, one fp32 scale per tensor); everything else runs as the rest of the
+recipe says (bf16 autocast for the named ``fp8`` and ``fp8-delayed``). The value is one word with
+optional options, and ``str()`` prints it back::
+
+    >>> cfg = Fp8Config.parse("delayed(history=4,amax=recent,pow2=true,skip=lm_head+*.c_proj)")
+    >>> str(cfg)
+    'delayed(history=4,amax=recent,pow2=true,skip=lm_head+*.c_proj)'
+    >>> str(Fp8Config())
+    'current'
+
+Scaling, for a tensor ``x`` cast to format F (max 448 for e4m3, 57344 for e5m2)::
+
+    current:  scale = F.max / amax(x) / 2**margin
+    delayed:  scale = F.max / A / 2**margin, A = max(history) or history[0] (the most recent),
+              the history holding the amaxes of the previous casts of this tensor
+
+``pow2=true`` rounds the scale down to a power of two (then ``x * scale`` and its inverse are exact).
+The fallbacks that keep an amax of 0, inf or NaN from poisoning the scale are in ``fp8/scaling.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+
+__all__ = ["Fp8Scaling", "Fp8Config"]
+
+
+class Fp8Scaling(enum.Enum):
+    """Where a per-tensor fp8 scale comes from."""
+
+    CURRENT = "current"   # amax of this tensor now: one extra read of it per cast
+    DELAYED = "delayed"   # amax history of earlier casts (Transformer Engine's default recipe)
+
+
+_AMAX_ALGOS = ("max", "recent")
+_BACKENDS = ("auto", "scaled_mm", "emulate")
+_BOOL_WORDS = {"true": True, "false": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """How fp8 linears scale, and which ``nn.Linear`` layers are swapped for them.
+
+    ``history`` (delayed only): how many earlier amaxes are kept; ``amax`` (delayed only): ``max`` of
+    the history or the most ``recent`` entry; ``margin``: scale down by ``2**margin`` to leave headroom;
+    ``pow2``: round scales down to powers of two. Layer selection: ``skip`` (qualified-name globs left
+    in the base recipe), ``skip_first``/``skip_last`` (the model's first/last ``nn.Linear`` in module
+    order), ``force`` (exact names that must become fp8: an error if one cannot). ``backend``:
+    ``scaled_mm`` (``torch._scaled_mm``), ``emulate`` (``formats.quantize`` then an fp32 matmul) or
+    ``auto`` (scaled_mm where the device runs it, else emulate with a notice).
+    """
+
+    scaling: Fp8Scaling = Fp8Scaling.CURRENT
+    history: int = 16
+    amax: str = "max"
+    margin: int = 0
+    pow2: bool = False
+    skip: tuple[str, ...] = ()
+    skip_first: bool = False
+    skip_last: bool = False
+    force: tuple[str, ...] = ()
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scaling, Fp8Scaling):
+            raise TypeError(f"Fp8Config.scaling must be an Fp8Scaling, got {self.scaling!r}")
+        for name in ("history", "margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"fp8 {name} must be an integer, got {value!r}")
+        if self.history < 1:
+            raise ValueError(f"fp8 history must be >= 1, got {self.history}")
+        if not 0 <= self.margin <= 16:
+            raise ValueError(f"fp8 margin must be in 0..16 (scale divided by 2**margin), got {self.margin}")
+        if self.amax not in _AMAX_ALGOS:
+            raise ValueError(f"unknown fp8 amax {self.amax!r}; valid values: {', '.join(_AMAX_ALGOS)}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"unknown fp8 backend {self.backend!r}; valid values: {', '.join(_BACKENDS)}")
+        if self.scaling is Fp8Scaling.CURRENT and (self.history != 16 or self.amax != "max"):
+            raise ValueError("fp8 history and amax apply to delayed scaling; write "
+                             "fp8=delayed(history=..,amax=..) or drop them")
+        clash = set(self.skip) & set(self.force)
+        if clash:
+            raise ValueError(f"fp8 layers {sorted(clash)} are both skipped and forced; keep one")
+        for word in self.skip + self.force:
+            if not word or any(c in word for c in "+,()="):
+                raise ValueError(f"fp8 layer name {word!r} is empty or holds one of + , ( ) =")
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling is Fp8Scaling.DELAYED
+
+    def __str__(self) -> str:
+        default = Fp8Config(scaling=self.scaling)
+        opts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "scaling" or value == getattr(default, f.name):
+                continue
+            if isinstance(value, bool):
+                value = str(value).lower()
+            elif isinstance(value, tuple):
+                value = "+".join(value)
+            opts.append(f"{f.name}={value}")
+        return self.scaling.value + (f"({','.join(opts)})" if opts else "")
+
+    @classmethod
+    def parse(cls, text: str) -> Fp8Config:
+        """``current`` | ``delayed`` | either with ``(key=value,...)``; unknown words list valid ones."""
+        text = text.strip()
+        m = re.fullmatch(r"(\w+)(?:\((.*)\))?", text)
+        scalings = ", ".join(s.value for s in Fp8Scaling)
+        if not m or m.group(1) not in {s.value for s in Fp8Scaling}:
+            raise ValueError(f"unknown fp8 scaling {text!r}; valid values: {scalings}, each optionally "
+                             "with options, e.g. fp8=delayed(history=16,amax=max,margin=0,pow2=true)")
+        kwargs: dict[str, object] = {"scaling": Fp8Scaling(m.group(1))}
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "scaling"]
+        for item in filter(None, (s.strip() for s in (m.group(2) or "").split(","))):
+            key, sep, value = (s.strip() for s in item.partition("="))
+            if not sep or key not in names:
+                raise ValueError(f"unknown fp8 option {item!r}; valid keys: {', '.join(names)}")
+            if key in kwargs:
+                raise ValueError(f"fp8 option {key!r} given twice in {text!r}")
+            if key in ("history", "margin"):
+                try:
+                    kwargs[key] = int(value)
+                except ValueError:
+                    raise ValueError(f"fp8 {key} must be an integer, got {value!r}") from None
+            elif key in ("pow2", "skip_first", "skip_last"):
+                if value.lower() not in _BOOL_WORDS:
+                    raise ValueError(f"fp8 {key} must be true or false, got {value!r}")
+                kwargs[key] = _BOOL_WORDS[value.lower()]
+            elif key in ("skip", "force"):
+                kwargs[key] = tuple(v for v in value.split("+") if v)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)  # type: ignore[arg-type]

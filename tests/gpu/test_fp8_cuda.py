@@ -1,0 +1,107 @@
+"""CUDA-only fp8 checks: torch._scaled_mm's CUDA path (layouts, inner-dim padding) against the emulation,
+the fp8 linear against bf16, and an fp8 training step without a host sync."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec import FP8_E4M3, FP8_E5M2, Fp8Config, Fp8Linear
+from mixprec.fp8 import cast_to_fp8, current_scale, emulated_mm, probe_scaled_mm, quantize_fp8, scaled_mm
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
+
+
+def fp8_gpu():
+    support = probe_scaled_mm("cuda")
+    if not support.ok:
+        pytest.skip(f"no fp8 matmuls on this GPU: {support.reason}")
+
+
+def sqnr_db(ref, x):
+    ref, x = ref.double(), x.double()
+    noise = (ref - x).pow(2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
+
+
+# (M, K, N): K = 40 and K = 24 exercise the zero padding of the inner dimension (the weight-gradient
+# matmul's inner dimension is the batch, rarely a multiple of 16).
+@pytest.mark.parametrize("m, k, n", [(64, 128, 96), (7, 40, 32), (128, 24, 16)])
+@pytest.mark.parametrize("fmt_a", [FP8_E4M3, FP8_E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_scaled_mm_agrees_with_the_emulation(m, k, n, fmt_a, out_dtype):
+    fp8_gpu()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, device="cuda", generator=g) * 3
+    b = torch.randn(n, k, device="cuda", generator=g).t()    # (K, N), as the forward hands it
+    s_a, s_b = current_scale(a.abs().max(), fmt_a), current_scale(b.abs().max(), FP8_E4M3)
+    inv_a, inv_b = s_a.reciprocal(), s_b.reciprocal()
+    real = scaled_mm(cast_to_fp8(a, s_a, fmt_a), cast_to_fp8(b, s_b, FP8_E4M3), inv_a, inv_b, out_dtype)
+    emul = emulated_mm(quantize_fp8(a, s_a, fmt_a), quantize_fp8(b, s_b, FP8_E4M3), inv_a, inv_b, out_dtype)
+    exact = (quantize_fp8(a, s_a, fmt_a).double() @ quantize_fp8(b, s_b, FP8_E4M3).double()
+             ) * inv_a.double() * inv_b.double()
+    ulp = torch.finfo(out_dtype).eps * exact.abs() + 1e-5 * exact.abs().max()
+    assert ((real.double() - exact).abs() <= ulp).all()
+    assert ((real.double() - emul.double()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.parametrize("config", ["current", "delayed"])
+def test_cuda_fp8_linear_against_bf16(config):
+    fp8_gpu()
+    torch.manual_seed(0)
+    linear = nn.Linear(1024, 512).cuda()
+    x = torch.randn(4, 100, 1024, device="cuda")              # M = 400: padded in the weight gradient
+    g = torch.randn(4, 100, 512, device="cuda") * 1e-3
+    results = []
+    for layer in (linear, Fp8Linear.from_linear(linear, Fp8Config.parse(config), "scaled_mm")):
+        for _ in range(2):
+            xi = x.clone().requires_grad_(True)
+            linear.weight.grad = None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = layer(xi)
+            out.backward(g.to(out.dtype))
+        results.append((out.float(), xi.grad.float(), linear.weight.grad.float()))
+    (ref, got) = results
+    assert sqnr_db(ref[0], got[0]) >= 20
+    assert sqnr_db(ref[1], got[1]) >= 18 and sqnr_db(ref[2], got[2]) >= 18
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-delayed"])
+def test_cuda_fp8_step_runs_without_host_sync(recipe):
+    fp8_gpu()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.GELU(), nn.Linear(512, 256),
+                          nn.GELU(), nn.Linear(256, 16)).cuda()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), recipe)
+    assert mp.fp8_report.backend == "scaled_mm" and mp.fp8_report.swapped == ("0", "3", "5")
+    x, y = torch.randn(64, 256, device="cuda"), torch.randint(0, 16, (64,), device="cuda")
+    for _ in range(2):
+        with mp.autocast():
+            mp.backward(F.cross_entropy(model(x), y))
+        mp.step()
+        mp.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            with mp.autocast():
+                loss = F.cross_entropy(model(x), y)
+            mp.backward(loss)
+            mp.step()
+            mp.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)
+
+
+def test_gpu_without_fp8_emulates_with_a_notice():
+    if probe_scaled_mm("cuda").ok:
+        pytest.skip("this GPU runs fp8 matmuls; the notice is for older ones")
+    model = nn.Sequential(nn.Linear(64, 64)).cuda()
+    with pytest.warns(mixprec.Fp8EmulationWarning, match="emulated on cuda"):
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+    assert mp.fp8_report.backend == "emulate"

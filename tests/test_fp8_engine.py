@@ -1,0 +1,189 @@
+"""fp8 recipes in the engine: which layers are swapped and why, errors that name the layer, the emulation
+notice, scale state in state_dict, per-layer underflow/saturation, and the lab accepting the recipes."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec import (Fp8Config, Fp8EmulationWarning, Fp8Linear, Fp8Reason, MixedPrecision, count_fp8_ranges,
+                     fp8_layer_stats, get_recipe, parse_recipe, supports)
+from mixprec.fp8 import matmul
+
+
+class Net(nn.Module):
+    """Linears of every kind: eligible, misshapen, a subclass, nested, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(32, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2))
+        self.odd = nn.Linear(64, 24)                 # 24 is not a multiple of 16
+        self.ln = nn.LayerNorm(24)
+        self.sub = _MyLinear(24, 16)
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.sub(self.ln(self.odd(x))))
+
+
+class _MyLinear(nn.Linear):
+    pass
+
+
+def engine(recipe="fp8", **kwargs):
+    model = Net()
+    return MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), recipe, **kwargs)
+
+
+def step(mp, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 32, generator=g), torch.randint(0, 16, (8,), generator=g)
+    with mp.autocast():
+        loss = F.cross_entropy(mp.model(x), y)
+    mp.backward(loss)
+    mp.step()
+    mp.zero_grad()
+    return loss
+
+
+def test_swap_report_says_what_was_swapped_and_why_not():
+    params_before = [id(p) for p in Net().parameters()]
+    mp = engine("compute=bf16,fp8=current(skip=blocks.1.*,skip_last=true)")
+    report = mp.fp8_report
+    assert report.swapped == ("inp", "blocks.0.0")
+    assert report.not_swapped == {"blocks.1.0": Fp8Reason.SKIP, "odd": Fp8Reason.SHAPE,
+                                  "sub": Fp8Reason.SUBCLASS, "head": Fp8Reason.LAST}
+    assert isinstance(mp.model.inp, Fp8Linear) and type(mp.model.blocks[1][0]) is nn.Linear
+    text = str(report)
+    assert "2 of 6 linear layers swapped" in text
+    assert "blocks.1.*" in text and "(24, 64)" in text and "pad to (32, 64)" in text and "_MyLinear" in text
+    # The optimizer's parameters are the model's, unchanged; state_dict keys are nn.Linear's.
+    assert [id(p) for p in mp.model.parameters()] == [id(p) for p in mp.optimizer.param_groups[0]["params"]]
+    assert len(params_before) == len(list(mp.model.parameters()))
+    assert list(mp.model.state_dict()) == list(Net().state_dict())
+    loss = step(mp)
+    assert torch.isfinite(loss)
+
+
+def test_filter_function_and_skip_first():
+    mp = engine("compute=bf16,fp8=current(skip_first=true)", fp8_filter=lambda name, m: name != "head")
+    assert mp.fp8_report.swapped == ("blocks.0.0", "blocks.1.0")
+    assert mp.fp8_report.not_swapped["inp"] is Fp8Reason.FIRST
+    assert mp.fp8_report.not_swapped["head"] is Fp8Reason.FILTER
+
+
+def test_forcing_a_misshapen_layer_names_it_and_its_shape():
+    with pytest.raises(ValueError, match=r"'odd'.*\(24, 64\).*multiples of 16.*\(32, 64\)"):
+        engine("compute=bf16,fp8=current(force=odd)")
+    with pytest.raises(ValueError, match="no nn.Linear of that name; did you mean 'head'"):
+        engine("compute=bf16,fp8=current(force=haed)")
+    with pytest.raises(ValueError, match="only plain nn.Linear"):
+        engine("compute=bf16,fp8=current(force=sub)")
+    forced = engine("compute=bf16,fp8=current(force=head,skip_last=true)").fp8_report
+    assert "head" in forced.swapped and "fp8 (forced)" in str(forced)
+
+
+def test_fp8_filter_needs_an_fp8_recipe():
+    with pytest.raises(ValueError, match="has no fp8"):
+        engine("bf16", fp8_filter=lambda n, m: True)
+
+
+def test_without_fp8_matmuls_the_emulation_runs_with_one_notice(monkeypatch):
+    no = mixprec.Support(False, "pretend device without fp8")
+    monkeypatch.setattr(matmul, "probe_scaled_mm", lambda device: no)
+    monkeypatch.setattr(mixprec.fp8.swap, "probe_scaled_mm", lambda device: no)
+    with pytest.warns(Fp8EmulationWarning, match="emulated on cpu.*pretend device") as record:
+        mp = engine("fp8")
+    assert len(record) == 1 and mp.fp8_report.backend == "emulate"
+    assert "emulated" in str(mp.fp8_report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(2):
+            step(mp, i)                        # no further notice while training
+    with pytest.raises(ValueError, match="cannot run on cpu: pretend device"):
+        engine("compute=bf16,fp8=current(backend=scaled_mm)")
+    assert not supports(get_recipe("compute=bf16,fp8=current(backend=scaled_mm)"), "cpu").ok
+    assert supports(get_recipe("fp8"), "cpu").ok
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "params=bf16,compute=bf16,master=fp32,fp8=delayed(history=4)",
+                                    "compute=fp16,fp8=current"])
+def test_state_dict_round_trips_the_scale_state(recipe):
+    mp = engine(recipe)
+    for i in range(3):
+        step(mp, i)
+    state = mp.state_dict()
+    assert set(state["fp8"]) == set(mp.fp8_report.swapped)
+    fresh = engine(recipe)
+    fresh.model.load_state_dict(mp.model.state_dict())
+    fresh.load_state_dict(state)
+    for name, layer_state in state["fp8"].items():
+        for key, value in layer_state.items():
+            assert torch.equal(getattr(fresh.model.get_submodule(name), key), value), (name, key)
+    if "delayed" in recipe:
+        hist = state["fp8"]["inp"]["input_history"]
+        assert (hist[:3] > 0).all() and (hist[3:] == 0).all()     # three steps recorded, newest first
+    other = engine("compute=bf16,fp8=delayed(history=8)") if "delayed" in recipe else None
+    if other is not None:
+        with pytest.raises(ValueError, match="saved under recipe"):
+            other.load_state_dict(state)
+
+
+def test_layer_stats_count_underflow_and_saturation_exactly():
+    layer = nn.Sequential(nn.Linear(16, 16, bias=False))
+    mp = MixedPrecision(layer, torch.optim.SGD(layer.parameters(), lr=0.0),
+                        "compute=bf16,fp8=delayed(history=2,pow2=true)")
+    assert count_fp8_ranges(layer) == 1
+    x1 = torch.ones(4, 16)                       # amax 1: first step uses its own amax -> scale 256
+    layer(x1).sum().backward()
+    # Second step: history says amax 1, so the scale stays 256, but the input now reaches 4:
+    # 4 * 256 = 1024 > 448 saturates (16 values); 1e-6 * 256 = 2.6e-4 <= 2**-9 / 2 = 9.8e-4 (half
+    # e4m3's smallest subnormal) flushes to zero (16 values); 5e-6 * 256 = 1.3e-3 rounds up to 2**-9.
+    x2 = torch.ones(4, 16)
+    x2[0] = 4.0
+    x2[1] = 1e-6
+    x2[2] = 5e-6
+    layer(x2).sum().backward()
+    (stats,) = fp8_layer_stats(layer)
+    t = stats.tensor("input")
+    assert (t.scale, t.amax, t.history_amax) == (256.0, 4.0, 4.0)
+    assert t.headroom_bits == math.log2(448 / 1024) and t.saturates
+    assert t.flush_below == 2.0**-9 / 2 / 256
+    assert t.counted == 128 and t.saturated_fraction == 16 / 128 and t.flushed_fraction == 16 / 128
+    assert stats.tensor("weight").saturated_fraction == 0.0
+    assert stats.tensor("grad_output").format == "fp8_e5m2"
+    with pytest.raises(ValueError, match="valid roles"):
+        stats.tensor("bias")
+    assert fp8_layer_stats(nn.Linear(4, 4)) == ()
+
+
+def test_recipes_reach_the_lab_and_devices():
+    from mixprec.lab.compare import plan_compare
+    plan = plan_compare("mlp", ["fp8", "fp8-delayed", "bf16"], steps=5, device="cpu")
+    assert [r.label for r in plan.recipes] == ["fp8", "fp8-delayed", "bf16"]
+    assert supports(parse_recipe("fp8-delayed"), "cpu").ok
+    assert Fp8Config.parse("current") == get_recipe("fp8").fp8
+
+
+def test_cli_compares_fp8_recipes_and_refuses_bad_ones_in_one_line(capsys):
+    from mixprec.lab.cli import main
+    saved = torch.get_num_threads()
+    try:
+        assert main(["compare", "--recipes", "bf16,fp8,compute=bf16,fp8=delayed(history=4,pow2=true)",
+                     "--steps", "3", "--device", "cpu", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(saved)
+    out = capsys.readouterr().out
+    assert "fp8 " in out and "fp8=delayed(history=4,pow2=true)" in out
+    assert main(["compare", "--recipes", "compute=bf16,fp8=delayed(amax=mean)"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mixprec: error: unknown fp8 amax 'mean'; valid values: max, recent"]
