@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from ..devices import Support
 
@@ -62,21 +61,28 @@ def probe_scaled_mm(device: torch.device | str) -> Support:
     return _probe(str(torch.device(device)))
 
 
-def _pad_inner(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # (M, K) @ (K, N) with K not a multiple of 16: zero columns of a and zero rows of b add nothing.
-    pad = -a.shape[1] % _CUDA_ALIGN
-    if pad:
-        a = F.pad(a, (0, pad))
-        b = F.pad(b, (0, 0, 0, pad))
-    return a, b
+def _cuda_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` row-major and ``b`` column-major, the inner dimension K zero-padded to a multiple of 16.
+
+    Zero columns of ``a`` and zero rows of ``b`` add nothing to the product. The padded copies are made
+    with zeros + a slice copy (fill and copy run on every float8 dtype; a pad kernel may not).
+    """
+    (m, k), n = a.shape, b.shape[1]
+    k_pad = k + (-k % _CUDA_ALIGN)
+    if k_pad == k:
+        return a.contiguous(), b.t().contiguous().t()
+    a_p = a.new_zeros((m, k_pad))
+    a_p[:, :k] = a
+    b_t = b.new_zeros((n, k_pad))      # (N, K_pad) row-major: its transpose is (K_pad, N) column-major
+    b_t[:, :k] = b.t()
+    return a_p, b_t.t()
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """``(a @ b) * inv_a * inv_b`` via ``torch._scaled_mm``: ``a`` (M, K) and ``b`` (K, N) float8."""
     if a.device.type == "cuda":
-        a, b = _pad_inner(a.contiguous(), b)
-        b = b.t().contiguous().t()   # column-major, as cuBLASLt's fp8 GEMM requires
+        a, b = _cuda_operands(a, b)   # cuBLASLt's fp8 GEMM: layouts and alignment it requires
     return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
 
 
