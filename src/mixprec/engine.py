@@ -86,10 +86,16 @@ class MixedPrecision:
     install casting hooks) and, for recipes with a master copy or stochastic rounding, the optimizer's
     references to the low-precision weights are replaced by fp32 copies. ``clip_grad_norm`` clips the
     global L2 norm of the *unscaled* gradients.
+
+    ``trace_nonfinite=True`` watches every op of the forward (inside ``autocast()``) and the backward
+    (inside ``backward()``) and, after a step whose gradients were not finite, ``last_overflow`` names
+    the module and aten op where the first inf/NaN appeared (``diagnostics.nonfinite``). Off by
+    default; off installs nothing and imports nothing.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: str | Recipe = "fp16",
-                 *, clip_grad_norm: float | None = None, seed: int = 0) -> None:
+                 *, clip_grad_norm: float | None = None, seed: int = 0,
+                 trace_nonfinite: bool = False) -> None:
         self.recipe = get_recipe(recipe)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -128,6 +134,13 @@ class MixedPrecision:
                                         rounding=self.recipe.rounding, seed=seed)
         self._hooks = cast_model(model, self.recipe)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
+        self._nonfinite = None
+        self._overflow_check: tuple | None = None    # (found_inf, scale, traced ops) of the last step
+        self._overflow = None
+        if trace_nonfinite:
+            # Imported only when asked for: diagnostics.nonfinite depends on torch and formats only.
+            from .diagnostics.nonfinite import NonfiniteTracer
+            self._nonfinite = NonfiniteTracer(model)
 
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
@@ -142,7 +155,8 @@ class MixedPrecision:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         try:
             with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
-                                enabled=self.recipe.autocast):
+                                enabled=self.recipe.autocast), \
+                    (self._nonfinite.tracing() if self._nonfinite else contextlib.nullcontext()):
                 yield
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
@@ -161,7 +175,8 @@ class MixedPrecision:
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was it computed under torch.no_grad() or "
                              "from detached tensors?")
-        self.loss_scale.scale(loss).backward(**kwargs)
+        with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext():
+            self.loss_scale.scale(loss).backward(**kwargs)
 
     # --------------------------------------------------------------------- step
     def step(self) -> StepResult:
@@ -208,6 +223,10 @@ class MixedPrecision:
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.master is not None and (stepped or not self.master.keep):
             self.master.push_weights()
+        if self._nonfinite is not None:
+            # Keep what last_overflow needs; the tracer's records stay until the next step's forward.
+            self._overflow_check = (found_inf, scale.detach().clone(), self._nonfinite.take())
+            self._overflow = None
         self.loss_scale.update(found_inf)
         if not stepped and isinstance(self.loss_scale, DynamicLossScale):
             self.loss_scale.warn_if_at_floor()
@@ -226,6 +245,24 @@ class MixedPrecision:
             return all(g["momentum"] == 0 or "momentum_buffer" in opt.state.get(p, {})
                        for g in opt.param_groups for p in g["params"])
         return True
+
+    @property
+    def last_overflow(self):
+        """Where the last step's first inf/NaN appeared (a ``NonfiniteOrigin``), or None if it was clean.
+
+        Needs ``trace_nonfinite=True``. Syncs with the host (reads the overflow flag and, only if it
+        is set, the traced ops' ranges). Refers to the last ``step()`` until the next one.
+        """
+        if self._nonfinite is None:
+            raise ValueError("last_overflow needs the NaN/Inf tracer: build the engine with "
+                             "MixedPrecision(..., trace_nonfinite=True)")
+        if self._overflow_check is None:
+            return None
+        from .diagnostics.nonfinite import first_nonfinite
+        found_inf, scale, records = self._overflow_check
+        if self._overflow is None and bool(found_inf):
+            self._overflow = first_nonfinite(records, loss_scale=float(scale))
+        return self._overflow
 
     # ----------------------------------------------------------------- helpers
     def zero_grad(self, set_to_none: bool = True) -> None:
