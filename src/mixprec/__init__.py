@@ -2,6 +2,9 @@
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .devices import Support, supports
+from .diagnostics.memory_report import MemoryReport, memory_report
+from .diagnostics.nonfinite import NonfiniteOrigin, NonfiniteTracer
+from .diagnostics.tensor_cores import TensorCoreReport, trace_matmuls
 from .engine import MixedPrecision, StepResult
 from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
                       classify, get_format, quantize)
@@ -18,4 +21,5 @@ __all__ = [
     "supports", "Support",
     "Format", "FORMATS", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2", "get_format",
     "quantize", "classify", "RangeCounts",
+    "memory_report", "MemoryReport", "NonfiniteTracer", "NonfiniteOrigin", "trace_matmuls", "TensorCoreReport",
 ]

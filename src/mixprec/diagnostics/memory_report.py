@@ -31,6 +31,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import MixedPrecision
 from ..recipe import Precision, Recipe, get_recipe
@@ -115,7 +116,7 @@ def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, l
 def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBreakdown:
     inputs, targets = _split(batch, loss_fn)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False):
+        with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes():
             shadow = shadow_copy(model, "cpu")
             fake_in, fake_targets = meta_like(inputs, "cpu"), meta_like(targets, "cpu")
             # A stand-in optimizer (plain SGD makes no state): the engine needs one to wire masters.
@@ -129,6 +130,24 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBre
         raise ValueError(f"cannot predict the memory of {type(model).__name__}: tracing it with fake "
                          f"tensors (shapes only) failed: {first}. Its ops need meta kernels and its "
                          "control flow must not read tensor values") from None
+
+
+class _RealStatDtypes(TorchDispatchMode):
+    """Fake tensors run meta kernels, and the meta kernels of layer, group and batch norm give the
+    mean and rstd they save the input's dtype; the CPU and CUDA kernels keep them in fp32 for fp16/bf16
+    inputs (their accumulation type). Upcast them, so the prediction saves what a real step saves."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if "norm" in name and "backward" not in name and isinstance(out, tuple) and len(out) >= 3:
+            # (output, mean, rstd[, reserve]) for layer, group and batch norm alike.
+            out = (out[0], *(_as_fp32_stat(t) for t in out[1:3]), *out[3:])
+        return out
+
+
+def _as_fp32_stat(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def predict_optimizer_bytes(optimizer: OptimizerSpec, model: nn.Module) -> int:

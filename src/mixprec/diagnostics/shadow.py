@@ -59,5 +59,18 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def meta_like(value: Any, device: str = "meta") -> Any:
-    """Every tensor in a nest of tuples, lists and dicts as an empty ``device`` tensor of its shape."""
-    return tree_map(lambda t: _empty_like(t, device) if isinstance(t, torch.Tensor) else t, value)
+    """Every tensor in a nest of tuples, lists and dicts as an empty ``device`` tensor of its shape.
+
+    ``requires_grad`` carries over: an input that needs a gradient adds a matmul to the backward. A
+    tensor that appears twice (the same token ids as inputs and targets) maps to one empty tensor, so
+    memory counts see one storage, as they would for the real batch.
+    """
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in made:
+            made[id(t)] = _empty_like(t, device).requires_grad_(t.requires_grad and t.is_floating_point())
+        return made[id(t)]
+    return tree_map(empty, value)
