@@ -118,7 +118,7 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBre
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes():
             shadow = shadow_copy(model, "cpu")
-            fake_in, fake_targets = meta_like(inputs, "cpu"), meta_like(targets, "cpu")
+            fake_in, fake_targets = meta_like((inputs, targets), "cpu")   # one memo: aliases stay
             # A stand-in optimizer (plain SGD makes no state): the engine needs one to wire masters.
             mp = MixedPrecision(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), recipe)
             activations = _one_step(mp, shadow, fake_in, fake_targets, loss_fn)

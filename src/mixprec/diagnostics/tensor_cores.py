@@ -213,7 +213,7 @@ def trace_matmuls(model: nn.Module, batch: Any, *, loss_fn: Callable[..., torch.
     if not any(True for _ in shadow.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters: there is no matmul to inspect")
     inputs, targets = (batch if loss_fn is not None else (batch, None))
-    inputs, targets = meta_like(inputs), meta_like(targets)
+    inputs, targets = meta_like((inputs, targets))
     weight_sizes = {name or "(model)": {s for p in m.parameters() for s in p.shape}
                     for name, m in shadow.named_modules()}
     scope = ModuleScope(shadow)
