@@ -24,6 +24,7 @@ def test_inspect_mlp_tables_and_json(tmp_path, capsys):
     assert "memory of one training step of mlp" in out and "fp16-pure" in out and "addmm" in out
     report = _strict(path.read_text())
     assert report["schema_version"] == 1 and report["kind"] == "inspect" and report["measured"] is True
+    assert report["kernels"] == []                 # profiled on CUDA only
     fp32, pure = report["memory"]
     assert fp32["n_params"] == N_MLP
     # AdamW: weights 4 + grads 4 + two moments 8 = 16 B/param, and the prediction is what one real step held.

@@ -33,10 +33,15 @@ JSON schema, version 1 (strict JSON: non-finite floats as "NaN"/"Infinity" strin
                                modules [str], pad_to int, flops int, advice str
     matmuls            list    every op: op str, module str, direction "forward"|"backward",
                                shapes [[int]], dims [[name str, size int, role str]], flops int
+    kernels            list    CUDA only (else empty): per recipe, 3 profiled real steps:
+      recipe           str
+      tensor_core_share float  fraction of GPU kernel time in tensor-core kernels (by kernel name)
+      kernels          list    name str, calls int, time_us float, tensor_cores bool; longest first
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -51,7 +56,8 @@ from rich.table import Table
 from .. import __version__
 from ..devices import resolve_device, supports
 from ..diagnostics.memory_report import MemoryReport, memory_report
-from ..diagnostics.tensor_cores import TensorCoreReport, trace_matmuls
+from ..diagnostics.tensor_cores import KernelProfile, TensorCoreReport, profile_kernels, trace_matmuls
+from ..engine import MixedPrecision
 from ..recipe import Recipe, get_recipe
 from .compare import DEFAULT_RECIPES
 from .report import format_bytes, short_names
@@ -83,6 +89,7 @@ class InspectReport:
     memory: tuple[MemoryReport, ...]
     tensor_cores: TensorCoreReport
     notes: tuple[str, ...] = ()
+    kernels: tuple[tuple[str, KernelProfile], ...] = ()    # (recipe, profile) per recipe; CUDA only
 
     @property
     def misaligned_share_8(self) -> float:
@@ -104,6 +111,9 @@ class InspectReport:
             "misaligned_share": {str(k): tc.misaligned_share(k) for k in (8, 16)},
             "fixes": {str(k): [dataclasses.asdict(f) for f in tc.fixes(k)] for k in (8, 16)},
             "matmuls": [dataclasses.asdict(op) for op in tc.ops],
+            "kernels": [{"recipe": recipe, "tensor_core_share": prof.tensor_core_share,
+                         "kernels": [dataclasses.asdict(k) for k in prof.kernels]}
+                        for recipe, prof in self.kernels],
         }
         return json.dumps(_strict(data), indent=indent, allow_nan=False)
 
@@ -172,8 +182,26 @@ def run_inspect(plan: InspectPlan) -> InspectReport:
         # measure=True trains one step on a deep copy: the same model serves every recipe.
         memory.append(memory_report(model, recipe, (x, y), optimizer=w.make_optimizer, loss_fn=w.loss_fn,
                                     measure=plan.measure and support.ok))
+    kernels = []
+    if plan.device.type == "cuda":
+        kernels = [(str(r), _profile(w, model, r, x, y)) for r in plan.recipes if supports(r, plan.device).ok]
     return InspectReport(w.name, str(plan.device), plan.batch_size, plan.measure, tuple(memory),
-                         tensor_cores, tuple(notes))
+                         tensor_cores, tuple(notes), tuple(kernels))
+
+
+def _profile(w: Workload, model: torch.nn.Module, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
+             ) -> KernelProfile:
+    """Profile real training steps of a copy of ``model`` under ``recipe`` (CUDA)."""
+    twin = copy.deepcopy(model)
+    mp = MixedPrecision(twin, w.make_optimizer(twin.parameters()), recipe)
+
+    def step() -> None:
+        with mp.autocast():
+            loss = w.loss_fn(twin(x), y)
+        mp.backward(loss)
+        mp.step()
+        mp.zero_grad()
+    return profile_kernels(step)
 
 
 def _build(w: Workload, meta: bool):
@@ -270,6 +298,10 @@ def render_notes(report: InspectReport) -> list[str]:
         lines.append("every matmul dimension is a multiple of 16: fp16, bf16 and fp8 tensor cores all fit")
     names = short_names((m.recipe, m.label) for m in report.memory)
     lines += [f"{names[m.recipe]}: {m.recipe}" for m in report.memory if names[m.recipe] != m.label]
+    for recipe, prof in report.kernels:
+        top = next((k for k in prof.kernels if k.tensor_cores), None)
+        lines.append(f"{names.get(recipe, recipe)} on {report.device}: {prof.tensor_core_share:.0%} of GPU "
+                     f"kernel time in tensor-core kernels" + (f" (longest: {top.name[:60]})" if top else ""))
     lines += [f"note: {n}" for n in report.notes]
     lines.append("weights + grads + master + optim = B/par x parameters; activations: tensors "
                  "autograd saves for the backward; attention is traced on its math path (a fused GPU "
