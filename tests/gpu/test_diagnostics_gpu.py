@@ -13,6 +13,28 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
 
 
+class _TimesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class BlowUpGrad(nn.Module):
+    """Identity forward; multiplies its gradient by ``factor`` in the backward."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return _TimesInBackward.apply(x, self.factor)
+
+
 def mlp(width=1024):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 16)).cuda()
@@ -70,10 +92,12 @@ def test_predicted_state_matches_the_cuda_allocator(recipe):
     assert before >= 0
 
 
-def test_nonfinite_tracer_on_cuda_names_the_backward_module():
+def test_nonfinite_tracer_on_cuda_names_the_layer():
     model = mlp()
     with torch.no_grad():
-        model[2].weight.fill_(30.0)
+        model[0].weight.fill_(0.01)
+        model[0].bias.zero_()
+        model[2].weight.fill_(100.0)       # 1024 inputs of ~10.24 times 100: ~1e6 > 65504 in fp16
     mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16",
                                 trace_nonfinite=True)
     x = torch.ones(8, 1024, device="cuda")
@@ -82,5 +106,21 @@ def test_nonfinite_tracer_on_cuda_names_the_backward_module():
     mp.backward(loss)
     result = mp.step()
     origin = mp.last_overflow
-    assert result.skipped and origin is not None and origin.format == "fp16"
-    assert origin.module in {"0", "2"} and origin.cause == "overflow"
+    assert result.skipped and (origin.module, origin.direction, origin.cause) == ("2", "forward", "overflow")
+    assert origin.op == "aten.addmm.default" and origin.format_max == 65504.0
+
+
+def test_nonfinite_tracer_attributes_backward_ops_on_autograd_device_thread():
+    # CUDA backward runs on autograd's device thread: the dispatch mode and node lookup must follow it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), BlowUpGrad(1e9), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    recipe = "params=fp32,compute=fp16,scale=static:1"
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                                trace_nonfinite=True)
+    with mp.autocast():
+        loss = F.cross_entropy(model(torch.ones(8, 64, device="cuda")),
+                               torch.zeros(8, dtype=torch.long, device="cuda"))
+    mp.backward(loss)
+    assert mp.step().skipped
+    origin = mp.last_overflow
+    assert (origin.module, origin.direction, origin.op) == ("1", "backward", "aten.mul.Tensor")
