@@ -7,7 +7,7 @@ Off installs nothing: what remains of the option in the hot path is two ``nullco
 ``is not None`` per step, timed here on their own.
 
 Prints median step times and the ratio on / off.
-Usage: python benchmarks/bench_nonfinite.py [--reps 20] [--threads 1] [--recipes fp32,fp16]
+Usage: python benchmarks/bench_nonfinite.py [--reps 20] [--threads 1] [--recipes fp32,fp16] [--workloads mlp,gpt]
 """
 
 from __future__ import annotations
@@ -68,11 +68,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recipes", default="fp32,fp16")
+    parser.add_argument("--workloads", default="mlp,gpt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.reps} interleaved steps each, medians")
     print(f"{'workload':8} {'recipe':9} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'ops/step':>9}")
-    for workload in ("mlp", "gpt"):
+    for workload in args.workloads.split(","):
         for recipe in args.recipes.split(","):
             off, on, ops = bench(workload, recipe, args.reps)
             print(f"{workload:8} {recipe:9} {off * 1e3:8.2f} {on * 1e3:8.2f} {on / off:6.2f}x {ops:9d}")
