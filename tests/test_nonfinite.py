@@ -162,3 +162,15 @@ def test_on_installs_hooks_and_remove_takes_them_off():
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
     with pytest.raises(TypeError, match="nn.Module"):
         NonfiniteTracer("model")
+
+
+def test_evaluation_under_no_grad_is_not_traced():
+    model = net()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16",
+                                trace_nonfinite=True)
+    with torch.no_grad(), mp.autocast():
+        model(torch.ones(2, 8))
+    assert mp._nonfinite.ops_traced == 0
+    with mp.autocast():
+        model(torch.ones(2, 8))
+    assert mp._nonfinite.ops_traced > 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from .devices import supports
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
 from .master import MasterWeights
 from .recipe import Precision, Recipe, get_recipe
+
+if TYPE_CHECKING:   # for the annotation only: the tracer is imported when trace_nonfinite=True
+    from .diagnostics.nonfinite import NonfiniteOrigin
 
 __all__ = ["MixedPrecision", "StepResult"]
 
@@ -156,7 +159,8 @@ class MixedPrecision:
         try:
             with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
                                 enabled=self.recipe.autocast), \
-                    (self._nonfinite.tracing() if self._nonfinite else contextlib.nullcontext()):
+                    (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
+                     else contextlib.nullcontext()):     # evaluation under no_grad is not traced
                 yield
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
@@ -247,7 +251,7 @@ class MixedPrecision:
         return True
 
     @property
-    def last_overflow(self):
+    def last_overflow(self) -> NonfiniteOrigin | None:
         """Where the last step's first inf/NaN appeared (a ``NonfiniteOrigin``), or None if it was clean.
 
         Needs ``trace_nonfinite=True``. Syncs with the host (reads the overflow flag and, only if it
