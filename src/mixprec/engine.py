@@ -228,7 +228,7 @@ class MixedPrecision:
         if self.master is not None and (stepped or not self.master.keep):
             self.master.push_weights()
         if self._nonfinite is not None:
-            # Keep what last_overflow needs; the tracer's records stay until the next step's forward.
+            # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
             self._overflow_check = (found_inf, scale.detach().clone(), self._nonfinite.take())
             self._overflow = None
         self.loss_scale.update(found_inf)
@@ -252,7 +252,8 @@ class MixedPrecision:
 
     @property
     def last_overflow(self) -> NonfiniteOrigin | None:
-        """Where the last step's first inf/NaN appeared (a ``NonfiniteOrigin``), or None if it was clean.
+        """Where the last step's first inf/NaN appeared (a ``NonfiniteOrigin``); None if it was clean
+        (or if no traced op produced it: e.g. non-finite gradients accumulated before tracing).
 
         Needs ``trace_nonfinite=True``. Syncs with the host (reads the overflow flag and, only if it
         is set, the traced ops' ranges). Refers to the last ``step()`` until the next one.
