@@ -297,15 +297,20 @@ def profile_kernels(step: Callable[[], Any], *, steps: int = 3, warmup: int = 2)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    # Kernels appear as device-side events, and as the .kernels of the CPU ops that launched them;
+    # take the first form, or the second where a torch build lists no device events.
+    launched = [(e.name, e.device_time_total) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not launched:
+        launched = [(k.name, k.duration) for e in prof.events() for k in e.kernels]
     kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
-            entry = kernels.setdefault(event.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += event.device_time_total
+    for name, duration_us in launched:
+        entry = kernels.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += duration_us
     rows = [KernelTime(name, int(c), t, is_tensor_core_kernel(name)) for name, (c, t) in kernels.items()]
     return KernelProfile(tuple(sorted(rows, key=lambda k: -k.time_us)))
