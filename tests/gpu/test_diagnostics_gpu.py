@@ -66,8 +66,6 @@ def test_fp16_matmuls_run_on_tensor_cores_and_fp32_ones_do_not():
 
 @pytest.mark.parametrize("recipe", ["fp32", "fp16", "bf16", "fp16-pure"])
 def test_predicted_state_matches_the_cuda_allocator(recipe):
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
     model = mlp()
     x = torch.randn(256, 1024, device="cuda")
     y = torch.randint(0, 16, (256,), device="cuda")
@@ -89,7 +87,6 @@ def test_predicted_state_matches_the_cuda_allocator(recipe):
     state = p.params + p.grads + p.master + p.optimizer
     # The allocator rounds each block up to 512 B and keeps the loss-scale scalars: within 1%.
     assert held == pytest.approx(state, rel=0.01), (held, p)
-    assert before >= 0
 
 
 def test_nonfinite_tracer_on_cuda_names_the_layer():
