@@ -111,3 +111,12 @@ def test_model_that_cannot_be_traced_says_why(tmp_path, monkeypatch, capsys):
     assert main(["inspect", "--workload", spec, "--device", "cpu", "--recipes", "fp32"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mixprec: error: cannot trace Model on the meta device") and err.count("\n") == 1
+
+
+def test_a_recipe_the_device_cannot_run_is_predicted_only(tmp_path, capsys):
+    path = tmp_path / "tf32.json"
+    assert main(["inspect", "--recipes", "fp32,tf32", "--device", "cpu", "--json", str(path)]) == 0
+    assert "tf32: tf32 needs an NVIDIA GPU" in capsys.readouterr().out
+    fp32, tf32 = _strict(path.read_text())["memory"]
+    # TF32 rounds matmul inputs; it stores what fp32 stores.
+    assert tf32["measured"] is None and tf32["predicted"] == fp32["predicted"] == fp32["measured"]
