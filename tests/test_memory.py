@@ -1,10 +1,13 @@
 """Memory accounting against numbers worked out by hand (seed 002's MLP) and against the tensors."""
 
+import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 from torch import nn
 
-from mixprec import MixedPrecision
+from mixprec import MixedPrecision, memory_report
+from mixprec.lab.models import GPT, GPTConfig
 from mixprec.diagnostics.memory import SavedTensorMeter, state_bytes, storage_bytes
 
 # Seed 002's MLP, 784-8192-10: 784*8192 + 8192 + 8192*10 + 10 = 6,512,650 parameters.
@@ -60,3 +63,79 @@ def test_storage_bytes_counts_each_storage_once():
     a = torch.zeros(100)
     assert storage_bytes([a, a[10:], a.view(10, 10), None]) == 400
     assert storage_bytes([a, torch.zeros(10, dtype=torch.float16)]) == 420
+
+
+# ------------------------------------------------------------------ memory_report: predicted vs measured
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def test_memory_report_reproduces_seed_002_and_003_without_training():
+    model, batch = seed_mlp(), (torch.randn(64, 784), torch.randint(0, 10, (64,)))
+    fp32 = memory_report(model, "fp32", batch, optimizer=adam, loss_fn=F.cross_entropy)
+    amp = memory_report(model, "fp16", batch, optimizer=adam, loss_fn=F.cross_entropy)
+    pure = memory_report(model, "params=fp16,compute=fp16,master=fp32,scale=static:8", batch, optimizer=adam,
+                         loss_fn=F.cross_entropy)
+    assert fp32.n_params == N_PARAMS
+    assert round(fp32.predicted.params / 1e6, 2) == 26.05
+    assert round((pure.predicted.params + pure.predicted.master) / 1e6, 2) == 39.08
+    # Seed 003, Adam: fp32 holds w 4 + g 4 + m,v 8 = 16 B/param; torch.amp-style fp16 (fp32 weights) too.
+    # Plus one fp32 step counter per tensor: 4 tensors * 4 B.
+    assert fp32.predicted.optimizer == 8 * N_PARAMS + 16
+    assert fp32.bytes_per_param == amp.bytes_per_param == pytest.approx(16.0, abs=1e-5)
+    # Classic mixed precision is 2 + 2 + 4 + 8 = 16 in the seed; mixprec also holds the fp32 copies'
+    # gradients while the step runs (+4): 20.
+    assert pure.predicted.grads == 2 * N_PARAMS + 4 * N_PARAMS
+    assert pure.bytes_per_param == pytest.approx(20.0, abs=1e-5)
+    # The model was only traced: still fp32, no gradients.
+    assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+    assert 0.45 < pure.predicted.activations / fp32.predicted.activations < 0.6
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "fp16", "bf16", "fp16-pure", "bf16-pure", "bf16-sr"])
+def test_predicted_memory_equals_measured_on_cpu(recipe):
+    # tiny_model has a LayerNorm that pure recipes keep fp32: weights of two dtypes, casting hooks.
+    model = tiny_model(d_in=8, hidden=32, d_out=4)
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    report = memory_report(model, recipe, batch, optimizer=adam, loss_fn=F.cross_entropy, measure=True)
+    assert report.measured == report.predicted
+    assert report.predicted.activations > 0 and report.predicted.optimizer > 0
+
+
+def test_optimizer_given_as_instance_with_groups_and_momentum():
+    model = tiny_model()
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    sgd = torch.optim.SGD([{"params": decay, "momentum": 0.9}, {"params": rest, "momentum": 0.0}], lr=0.1)
+    report = memory_report(model, "fp32", torch.randn(4, 8), optimizer=sgd, measure=True)
+    # One fp32 momentum buffer per matrix, none for vectors.
+    assert report.predicted.optimizer == 4 * sum(p.numel() for p in decay) == report.measured.optimizer
+    assert memory_report(model, "fp32", torch.randn(4, 8)).predicted.optimizer == 0
+
+
+def test_a_meta_model_is_predicted_like_the_real_one():
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    real = GPT(config)
+    with torch.device("meta"):
+        meta = GPT(config)
+    ids = torch.zeros(4, 16, dtype=torch.int64)
+    loss = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    a = memory_report(real, "bf16", (ids, ids), optimizer=adam, loss_fn=loss, measure=True)
+    b = memory_report(meta, "bf16", (ids, ids), optimizer=adam, loss_fn=loss)
+    assert a.predicted == b.predicted == a.measured
+    with pytest.raises(ValueError, match="meta device"):
+        memory_report(meta, "bf16", (ids, ids), loss_fn=loss, measure=True)
+
+
+def test_memory_report_bad_input():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        memory_report(nn.ReLU(), "fp32", torch.randn(2, 3))
+    with pytest.raises(ValueError, match="unknown recipe"):
+        memory_report(tiny_model(), "fp17", torch.randn(2, 8))
+    with pytest.raises(TypeError, match="optimizer must be"):
+        memory_report(tiny_model(), "fp32", torch.randn(2, 8), optimizer="adam")
+    with pytest.raises(ValueError, match=r"\(inputs, targets\)"):
+        memory_report(tiny_model(), "fp32", torch.randn(2, 8), loss_fn=F.cross_entropy)

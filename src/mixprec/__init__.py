@@ -6,6 +6,9 @@ from .diagnostics.optrace import OpRecord, OpTrace, trace_ops
 from .diagnostics.fp8 import Fp8LayerStats, Fp8TensorStats, count_fp8_ranges, fp8_layer_stats
 from .engine import Fp8EmulationWarning, MixedPrecision, StepResult
 from .fp8 import Fp8LayerDecision, Fp8Linear, Fp8Reason, Fp8SwapReport
+from .diagnostics.memory_report import MemoryReport, memory_report
+from .diagnostics.nonfinite import NonfiniteOrigin, NonfiniteTracer
+from .diagnostics.tensor_cores import TensorCoreReport, trace_matmuls
 from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
                       classify, get_format, quantize)
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
@@ -26,4 +29,5 @@ __all__ = [
     "OpPolicy", "OpLists", "autocast_op_lists", "trace_ops", "OpTrace", "OpRecord",
     "Fp8Config", "Fp8Scaling", "Fp8Linear", "Fp8SwapReport", "Fp8LayerDecision", "Fp8Reason",
     "Fp8EmulationWarning", "fp8_layer_stats", "count_fp8_ranges", "Fp8LayerStats", "Fp8TensorStats",
+    "memory_report", "MemoryReport", "NonfiniteTracer", "NonfiniteOrigin", "trace_matmuls", "TensorCoreReport",
 ]

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,11 +39,15 @@ from .master import MasterWeights
 from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
 
+if TYPE_CHECKING:   # for the annotation only: the tracer is imported when trace_nonfinite=True
+    from .diagnostics.nonfinite import NonfiniteOrigin
+
 __all__ = ["MixedPrecision", "StepResult", "Fp8EmulationWarning"]
 
 
 class Fp8EmulationWarning(UserWarning):
     """An fp8 recipe runs emulated (exact fp8 rounding, fp32 matmuls) on a device without fp8 matmuls."""
+
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
 # finite clip coefficient (clamped to 1 anyway).
@@ -99,11 +103,17 @@ class MixedPrecision:
     ``fp8_filter(name, module) -> bool`` keeps layers out, and ``fp8_report`` says what was swapped and
     why the rest was not. Where the device has no fp8 matmuls the emulation runs and an
     ``Fp8EmulationWarning`` says so, once, here.
+
+    ``trace_nonfinite=True`` watches every op of the forward (inside ``autocast()``) and the backward
+    (inside ``backward()``) and, after a step whose gradients were not finite, ``last_overflow`` names
+    the module and aten op where the first inf/NaN appeared (``diagnostics.nonfinite``). Off by
+    default; off installs nothing and imports nothing.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: str | Recipe = "fp16",
                  *, clip_grad_norm: float | None = None, seed: int = 0,
-                 fp8_filter: Callable[[str, nn.Module], bool] | None = None) -> None:
+                 fp8_filter: Callable[[str, nn.Module], bool] | None = None,
+                 trace_nonfinite: bool = False) -> None:
         self.recipe = get_recipe(recipe)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -155,6 +165,13 @@ class MixedPrecision:
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
+        self._nonfinite = None
+        self._overflow_check: tuple | None = None    # (found_inf, scale, traced ops) of the last step
+        self._overflow = None
+        if trace_nonfinite:
+            # Imported only when asked for: diagnostics.nonfinite depends on torch and formats only.
+            from .diagnostics.nonfinite import NonfiniteTracer
+            self._nonfinite = NonfiniteTracer(model)
 
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
@@ -170,7 +187,10 @@ class MixedPrecision:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         try:
             with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
-                                enabled=self.recipe.autocast), self._op_mode or contextlib.nullcontext():
+                                enabled=self.recipe.autocast), \
+                    self._op_mode or contextlib.nullcontext(), \
+                    (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
+                     else contextlib.nullcontext()):     # evaluation under no_grad is not traced
                 yield
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
@@ -189,7 +209,8 @@ class MixedPrecision:
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was it computed under torch.no_grad() or "
                              "from detached tensors?")
-        self.loss_scale.scale(loss).backward(**kwargs)
+        with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext():
+            self.loss_scale.scale(loss).backward(**kwargs)
 
     # --------------------------------------------------------------------- step
     def step(self) -> StepResult:
@@ -236,6 +257,10 @@ class MixedPrecision:
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.master is not None and (stepped or not self.master.keep):
             self.master.push_weights()
+        if self._nonfinite is not None:
+            # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
+            self._overflow_check = (found_inf, scale.detach().clone(), self._nonfinite.take())
+            self._overflow = None
         self.loss_scale.update(found_inf)
         if not stepped and isinstance(self.loss_scale, DynamicLossScale):
             self.loss_scale.warn_if_at_floor()
@@ -254,6 +279,25 @@ class MixedPrecision:
             return all(g["momentum"] == 0 or "momentum_buffer" in opt.state.get(p, {})
                        for g in opt.param_groups for p in g["params"])
         return True
+
+    @property
+    def last_overflow(self) -> NonfiniteOrigin | None:
+        """Where the last step's first inf/NaN appeared (a ``NonfiniteOrigin``); None if it was clean
+        (or if no traced op produced it: e.g. non-finite gradients accumulated before tracing).
+
+        Needs ``trace_nonfinite=True``. Syncs with the host (reads the overflow flag and, only if it
+        is set, the traced ops' ranges). Refers to the last ``step()`` until the next one.
+        """
+        if self._nonfinite is None:
+            raise ValueError("last_overflow needs the NaN/Inf tracer: build the engine with "
+                             "MixedPrecision(..., trace_nonfinite=True)")
+        if self._overflow_check is None:
+            return None
+        from .diagnostics.nonfinite import first_nonfinite
+        found_inf, scale, records = self._overflow_check
+        if self._overflow is None and bool(found_inf):
+            self._overflow = first_nonfinite(records, loss_scale=float(scale))
+        return self._overflow
 
     # ----------------------------------------------------------------- helpers
     def zero_grad(self, set_to_none: bool = True) -> None:

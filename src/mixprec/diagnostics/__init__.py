@@ -1,1 +1,1 @@
-"""Observing numbers and resources while a model trains: memory now; ranges, NaN origin, tensor cores next."""
+"""Observing numbers and resources while a model trains: memory, NaN/Inf origin, tensor-core fit."""

@@ -8,6 +8,10 @@ is recorded beside it). Each storage is counted once, however many tensors view 
         loss.backward()
     meter.bytes           # activations autograd kept for backward
     state_bytes(mp)       # MemoryBreakdown of parameters, gradients, masters, optimizer state
+
+Storages are told apart by their StorageImpl (not their data pointer), so fake tensors, which have
+sizes but no memory, are counted like real ones: ``memory_report`` (memory_report.py) predicts a step
+that way.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes"]
+__all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes", "storage_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +43,18 @@ class MemoryBreakdown:
         return self.params + self.grads + self.master + self.optimizer + self.activations
 
 
+def storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    """Identifies the storage behind ``t``: views of one storage share it; works for fake tensors."""
+    return t.device, StorageWeakRef(t.untyped_storage()).cdata
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once; meta: 0)."""
     seen: dict[tuple[torch.device, int], int] = {}
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
-        storage = t.untyped_storage()
-        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -77,18 +86,18 @@ class SavedTensorMeter:
     """
 
     def __init__(self, *exclude: nn.Module | Iterable[torch.Tensor]) -> None:
-        self._excluded: set[int] = set()
+        self._excluded: set[tuple[torch.device, int]] = set()
         for item in exclude:
             tensors = item.parameters() if isinstance(item, nn.Module) else item
-            self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+            self._excluded.update(storage_key(t) for t in tensors)
         self._saved: dict[tuple[torch.device, int], int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self._excluded:
-                self._saved[(t.device, storage.data_ptr())] = storage.nbytes()
+            key = storage_key(t)
+            if key not in self._excluded:
+                self._saved[key] = t.untyped_storage().nbytes()
         return t
 
     @property

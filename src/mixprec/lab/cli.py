@@ -5,6 +5,7 @@
     mixprec compare --recipes fp32 params=bf16,compute=bf16,rounding=stochastic
     mixprec compare --steps 200 --out runs/today      # runs/today/report.json and report.html
     mixprec report runs/today/report.json --out page.html   # the page again, from the JSON alone
+    mixprec inspect --benchmark gpt2 --json gpt2.json       # memory per recipe, tensor-core fit; no training
 
 Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
 HTML page beside it), and the paths written to stderr. A user mistake prints one line,
@@ -118,8 +119,33 @@ def _parser() -> argparse.ArgumentParser:
     report.set_defaults(handler=_report)
     add_trace_parser(commands)
     commands.choices["trace"].set_defaults(handler=_trace)
-    # doctor and inspect join here as their lab modules land.
+    _add_inspect(commands)
+    # doctor joins here as its lab module lands.
     return parser
+
+
+def _add_inspect(commands) -> None:
+    inspect = commands.add_parser(
+        "inspect", help="memory per recipe and the matmuls that miss tensor cores, without training",
+        description="Trace one training step of a workload without allocating its model: predicted "
+                    "memory by role per recipe (measured beside it where the model fits: built-in "
+                    "workloads, or any on a GPU) and every matmul/convolution with its FLOPs, flagging "
+                    "dimensions that are not multiples of 8 (fp16/bf16) or 16 (fp8), with the padding "
+                    "that fixes them.")
+    which = inspect.add_mutually_exclusive_group()
+    which.add_argument("--workload", default="mlp",
+                       help=f"built-in workload ({', '.join(WORKLOADS)}; default mlp), a benchmark "
+                            f"({', '.join(BENCHMARKS)}), or your own as package.module:function")
+    which.add_argument("--benchmark", choices=list(BENCHMARKS), default=None,
+                       help="shorthand for --workload NAME (predicted only on a CPU)")
+    inspect.add_argument("--recipes", nargs="+", metavar="RECIPE", default=None,
+                         help=f"recipes as for compare (default: {','.join(DEFAULT_RECIPES)})")
+    inspect.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    inspect.add_argument("--batch-size", type=int, default=None,
+                         help="batch to trace (default: the workload's); try one that is a multiple of 8")
+    inspect.add_argument("--json", metavar="PATH", type=Path, default=None,
+                         help="also write the report as JSON to PATH (schema: mixprec.lab.inspect)")
+    inspect.set_defaults(handler=_inspect)
 
 
 def _recipe_words(values: Sequence[str] | None) -> list[str]:
@@ -268,6 +294,26 @@ def _trace(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from e
     return run()
+# ---------------------------------------------------------------------------------------- inspect
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect import plan_inspect, render_matmul_table, render_memory_table, render_notes, run_inspect
+    try:
+        plan = plan_inspect(args.benchmark or args.workload, _recipe_words(args.recipes), device=args.device,
+                            batch_size=args.batch_size)
+        if args.json is not None:
+            _check_writable(args.json, "--json")
+        report = run_inspect(plan)    # traces; a model that cannot be traced is a ValueError saying so
+    except (ValueError, TypeError) as e:
+        raise _UsageError(str(e)) from e
+    if args.json is not None:
+        args.json.write_text(report.to_json() + "\n")
+        print(f"report written to {args.json}", file=sys.stderr)
+    out = Console(highlight=False)
+    out.print(render_memory_table(report))
+    out.print(render_matmul_table(report))
+    for line in render_notes(report):
+        out.print(line, soft_wrap=True)
+    return 0
 
 
 def _make_out_dir(path: Path) -> None:

@@ -117,6 +117,9 @@ def _workload_from_dict(spec: str, d: dict[str, Any]) -> Workload:
     for key in ("loss", "optimizer", "metric"):
         if key in d and not callable(d[key]):
             raise TypeError(f"{where}: {key!r} is {_a(d[key])}, not a function")
+    if not any(p.requires_grad for p in pristine.parameters()):
+        raise ValueError(f"{where}: the model ({type(pristine).__name__}) has no trainable parameters: "
+                         "there is nothing to train or inspect; give a model with weights, e.g. nn.Linear")
     optimizer = d["optimizer"](pristine.parameters())   # a trial: it must build an optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{where}: 'optimizer'(params) returned {_a(optimizer)}; it must return "

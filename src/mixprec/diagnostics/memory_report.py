@@ -1,0 +1,226 @@
+"""Predicted (and, where asked, measured) training memory of one model under one recipe.
+
+``memory_report(model, recipe, batch, optimizer=...)`` answers "where does the memory go?" before any
+memory is spent. It runs the real engine, ``MixedPrecision``, on a *fake* copy of the model (torch's
+``FakeTensorMode``: tensors with shapes, dtypes and storages of the right size, but no data) for one
+forward and backward, and counts with the same tools a real run uses (``state_bytes`` and
+``SavedTensorMeter``): weights as the recipe holds them, gradients, fp32 master copies, and the tensors
+autograd saves for the backward. Optimizer state appears only when the optimizer steps, which fake
+tensors cannot do (optimizers read their step counters back), so it is measured on a miniature: the
+optimizer is built on twins of the parameters with one and two elements and stepped once, which gives
+its bytes per element and per tensor. Seed 002's MLP, 784-8192-10::
+
+    >>> from torch import nn
+    >>> mlp = nn.Sequential(nn.Linear(784, 8192), nn.ReLU(), nn.Linear(8192, 10))
+    >>> r = memory_report(mlp, "fp32", torch.zeros(64, 784))
+    >>> round(r.predicted.params / 1e6, 2)
+    26.05
+
+``measure=True`` also trains one real step on a deep copy (the model is left alone) and fills
+``measured`` the way ``mixprec compare`` does (and, on CUDA, the allocator's peak). Activations are
+predicted with the autocast op lists of the CPU (fake tensors live there): on CUDA a few ops differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any, Union
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..engine import MixedPrecision
+from ..recipe import Precision, Recipe, get_recipe
+from .memory import MemoryBreakdown, SavedTensorMeter, state_bytes
+from .shadow import meta_like, shadow_copy
+
+__all__ = ["MemoryReport", "memory_report", "predict_optimizer_bytes"]
+
+OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes by role for one recipe: predicted always, measured when a real step was run."""
+
+    recipe: str                          # the full recipe string
+    label: str                           # its name where it has one
+    n_params: int                        # trainable parameter elements
+    predicted: MemoryBreakdown
+    measured: MemoryBreakdown | None = None
+
+    @property
+    def bytes_per_param(self) -> float:
+        """(weights + gradients + master + optimizer state) / parameters: 16 for fp32 Adam."""
+        b = self.predicted
+        return (b.params + b.grads + b.master + b.optimizer) / self.n_params
+
+
+def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimizer: OptimizerSpec = None,
+                  loss_fn: Callable[..., torch.Tensor] | None = None, measure: bool = False) -> MemoryReport:
+    """Predict the memory of one training step of ``model`` under ``recipe``; see the module docstring.
+
+    ``batch`` is the model's input, or ``(inputs, targets)`` when ``loss_fn(outputs, targets)`` is
+    given (without it the backward starts from the sum of the outputs). ``optimizer`` is an optimizer
+    built on ``model``'s parameters, a factory ``params -> optimizer`` (as workloads have), or None
+    (no optimizer state). ``model`` may be on the meta device (nothing allocated) unless ``measure``.
+    No host sync for the prediction.
+    """
+    recipe = get_recipe(recipe)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters: there is no training "
+                         "memory to report")
+    # TF32 changes how matmuls round, not what is stored: predict it as fp32 (which runs on any device).
+    traced = dataclasses.replace(recipe, compute=Precision.FP32) if recipe.compute is Precision.TF32 else recipe
+    predicted = _predict(model, traced, batch, loss_fn)
+    predicted = dataclasses.replace(predicted, optimizer=predict_optimizer_bytes(optimizer, model))
+    measured = _measure(model, recipe, batch, optimizer, loss_fn) if measure else None
+    return MemoryReport(str(recipe), recipe.label, sum(p.numel() for p in params), predicted, measured)
+
+
+def _split(batch: Any, loss_fn) -> tuple[Any, Any]:
+    if loss_fn is None:
+        return batch, None
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ValueError("with loss_fn, batch must be (inputs, targets); without it, the model's input")
+    return batch[0], batch[1]
+
+
+def _loss(out: Any, targets: Any, loss_fn) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(out, targets)
+    floats = [t for t in torch.utils._pytree.tree_leaves(out)
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        raise ValueError("the model's output holds no floating tensor to take a gradient of; pass loss_fn")
+    return sum(t.float().sum() for t in floats)
+
+
+def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, loss_fn) -> int:
+    """Forward and backward under ``mp``; returns the activation bytes autograd saved."""
+    with SavedTensorMeter(model, mp.master.masters if mp.master else []) as meter:
+        with mp.autocast():
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            loss = _loss(model(*args), targets, loss_fn)
+        mp.backward(loss)
+    return meter.bytes
+
+
+def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBreakdown:
+    inputs, targets = _split(batch, loss_fn)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes():
+            shadow = shadow_copy(model, "cpu")
+            fake_in, fake_targets = meta_like((inputs, targets), "cpu")   # one memo: aliases stay
+            # A stand-in optimizer (plain SGD makes no state): the engine needs one to wire masters.
+            mp = MixedPrecision(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), recipe)
+            activations = _one_step(mp, shadow, fake_in, fake_targets, loss_fn)
+            if mp.master is not None and mp.master.keep:
+                mp.master.pull_grads()    # the fp32 copies' gradients exist from step() on
+            return dataclasses.replace(state_bytes(mp), optimizer=0, activations=activations)
+    except (RuntimeError, NotImplementedError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot predict the memory of {type(model).__name__}: tracing it with fake "
+                         f"tensors (shapes only) failed: {first}. Its ops need meta kernels and its "
+                         "control flow must not read tensor values") from None
+
+
+class _RealStatDtypes(TorchDispatchMode):
+    """Fake tensors run meta kernels, and the meta kernels of layer, group and batch norm give the
+    mean and rstd they save the input's dtype; the CPU and CUDA kernels keep them in fp32 for fp16/bf16
+    inputs (their accumulation type). Upcast them, so the prediction saves what a real step saves."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if "norm" in name and "backward" not in name and isinstance(out, tuple) and len(out) >= 3:
+            # (output, mean, rstd[, reserve]) for layer, group and batch norm alike.
+            out = (out[0], *(_as_fp32_stat(t) for t in out[1:3]), *out[3:])
+        return out
+
+
+def _as_fp32_stat(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def predict_optimizer_bytes(optimizer: OptimizerSpec, model: nn.Module) -> int:
+    """Bytes of optimizer state after the first step, from a miniature of the optimizer.
+
+    Optimizer state grows as ``a * numel + b`` per parameter (Adam: a = 8, two fp32 moments; b = 4, an
+    fp32 step counter). Each parameter gets twins of one and of two elements, same number of
+    dimensions and group options; one real step on each set gives a and b. The optimizer always holds
+    fp32 tensors under mixprec (fp32 weights or fp32 copies), so the twins are fp32.
+    """
+    if optimizer is None:
+        return 0
+    params = list(model.parameters())
+    sizes = []
+    for elements in (1, 2):
+        twins = [torch.zeros((elements,) + (1,) * max(p.dim() - 1, 0), requires_grad=p.requires_grad)
+                 for p in params]
+        probe = _rebuild(optimizer, params, twins)
+        for t in twins:
+            t.grad = torch.zeros_like(t)
+        probe.step()
+        sizes.append([_state_bytes(probe.state.get(t, {})) for t in twins])
+    total = 0
+    for p, one, two in zip(params, *sizes):
+        per_element = two - one
+        total += per_element * p.numel() + (one - per_element)
+    return total
+
+
+def _state_bytes(state: dict) -> int:
+    return sum(v.untyped_storage().nbytes() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _rebuild(optimizer: OptimizerSpec, params: list[nn.Parameter], twins: list[torch.Tensor]):
+    """The user's optimizer, rebuilt over ``twins`` (same groups and options)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = []
+        for group in optimizer.param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            members = [twins[index[id(p)]] for p in group["params"] if id(p) in index]
+            if len(members) != len(group["params"]):
+                raise ValueError("the optimizer holds parameters that are not the model's: build it from "
+                                 "model.parameters()")
+            groups.append({"params": members, **options})
+        return type(optimizer)(groups)
+    if callable(optimizer):
+        probe = optimizer(twins)
+        if not isinstance(probe, torch.optim.Optimizer):
+            raise TypeError(f"optimizer factory returned {type(probe).__name__}, not a torch.optim.Optimizer")
+        return probe
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, a function params -> optimizer, or None; "
+                    f"got {type(optimizer).__name__}")
+
+
+def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerSpec, loss_fn) -> MemoryBreakdown:
+    """One real step on a deep copy of ``model``, counted as ``mixprec compare`` counts its first step."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("measure=True needs a model with real weights; this one is on the meta device")
+    twin = copy.deepcopy(model)
+    params = list(model.parameters())
+    if optimizer is None:
+        opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+    else:
+        opt = _rebuild(optimizer, params, list(twin.parameters()))
+    device = params[0].device
+    inputs, targets = _split(batch, loss_fn)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    mp = MixedPrecision(twin, opt, recipe)
+    activations = _one_step(mp, twin, inputs, targets, loss_fn)
+    mp.step()
+    measured = dataclasses.replace(state_bytes(mp), activations=activations)
+    if device.type == "cuda":
+        measured = dataclasses.replace(measured, peak=torch.cuda.max_memory_allocated(device))
+    return measured

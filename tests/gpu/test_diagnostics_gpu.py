@@ -1,0 +1,123 @@
+"""CUDA-only checks of the diagnostics: kernels on tensor cores, predicted memory against the allocator,
+and the NaN/Inf tracer on the device (backward on autograd's device thread)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.diagnostics.tensor_cores import profile_kernels
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
+
+
+class _TimesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class BlowUpGrad(nn.Module):
+    """Identity forward; multiplies its gradient by ``factor`` in the backward."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return _TimesInBackward.apply(x, self.factor)
+
+
+def mlp(width=1024):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 16)).cuda()
+
+
+def _step(model, recipe):
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), recipe)
+    x = torch.randn(256, 1024, device="cuda")
+    y = torch.randint(0, 16, (256,), device="cuda")
+
+    def step():
+        with mp.autocast():
+            loss = F.cross_entropy(model(x), y)
+        mp.backward(loss)
+        mp.step()
+        mp.zero_grad()
+    return step
+
+
+def test_fp16_matmuls_run_on_tensor_cores_and_fp32_ones_do_not():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fp16 = profile_kernels(_step(mlp(), "fp16"))
+    fp32 = profile_kernels(_step(mlp(), "fp32"))
+    assert any(k.tensor_cores for k in fp16.kernels), [k.name for k in fp16.kernels[:10]]
+    assert fp16.tensor_core_share > 0.0
+    # Without TF32 an fp32 GEMM has no tensor-core path.
+    assert fp32.tensor_core_share == 0.0, [k.name for k in fp32.kernels if k.tensor_cores]
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "fp16", "bf16", "fp16-pure"])
+def test_predicted_state_matches_the_cuda_allocator(recipe):
+    model = mlp()
+    x = torch.randn(256, 1024, device="cuda")
+    y = torch.randint(0, 16, (256,), device="cuda")
+    report = mixprec.memory_report(model, recipe, (x, y), optimizer=lambda p: torch.optim.AdamW(p, fused=True),
+                                   loss_fn=F.cross_entropy, measure=True)
+    assert report.measured.params == report.predicted.params
+    assert report.measured.optimizer == report.predicted.optimizer
+    # Now a real step, counted by the allocator: weights, grads, master and optimizer state after step().
+    base = torch.cuda.memory_allocated()
+    twin = mlp()
+    mp = mixprec.MixedPrecision(twin, torch.optim.AdamW(twin.parameters(), fused=True), recipe)
+    with mp.autocast():
+        loss = F.cross_entropy(twin(x), y)
+    mp.backward(loss)
+    mp.step()
+    del loss
+    held = torch.cuda.memory_allocated() - base
+    p = report.predicted
+    state = p.params + p.grads + p.master + p.optimizer
+    # The allocator rounds each block up to 512 B and keeps the loss-scale scalars: within 1%.
+    assert held == pytest.approx(state, rel=0.01), (held, p)
+
+
+def test_nonfinite_tracer_on_cuda_names_the_layer():
+    model = mlp()
+    with torch.no_grad():
+        model[0].weight.fill_(0.01)
+        model[0].bias.zero_()
+        model[2].weight.fill_(100.0)       # 1024 inputs of ~10.24 times 100: ~1e6 > 65504 in fp16
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16",
+                                trace_nonfinite=True)
+    x = torch.ones(8, 1024, device="cuda")
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long, device="cuda"))
+    mp.backward(loss)
+    result = mp.step()
+    origin = mp.last_overflow
+    assert result.skipped and (origin.module, origin.direction, origin.cause) == ("2", "forward", "overflow")
+    assert origin.op == "aten.addmm.default" and origin.format_max == 65504.0
+
+
+def test_nonfinite_tracer_attributes_backward_ops_on_autograd_device_thread():
+    # CUDA backward runs on autograd's device thread: the dispatch mode and node lookup must follow it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), BlowUpGrad(1e9), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    recipe = "params=fp32,compute=fp16,scale=static:1"
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                                trace_nonfinite=True)
+    with mp.autocast():
+        loss = F.cross_entropy(model(torch.ones(8, 64, device="cuda")),
+                               torch.zeros(8, dtype=torch.long, device="cuda"))
+    mp.backward(loss)
+    assert mp.step().skipped
+    origin = mp.last_overflow
+    assert (origin.module, origin.direction, origin.op) == ("1", "backward", "aten.mul.Tensor")
