@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .. import __version__
 from ..recipe import get_recipe, split_top_level
+from .doctor_cli import add_doctor_parser
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 from .report import CompareReport, render_notes, render_table, short_names
 from .trainer import TrainProgress
@@ -115,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="PAGE.html", type=Path, default=None,
                         help="where to write the page (default: RUN.json's path with .html)")
     report.set_defaults(handler=_report)
-    # doctor and inspect join here as their lab modules land.
+    add_doctor_parser(commands)
+    # inspect joins here as its lab module lands.
     return parser
 
 
