@@ -27,8 +27,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .. import __version__
 from ..recipe import get_recipe, split_top_level
-from .doctor_cli import add_doctor_parser
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
+from .doctor_cli import add_doctor_parser, plan_from_args, run_and_print
 from .report import CompareReport, render_notes, render_table, short_names
 from .trainer import TrainProgress
 from .workloads import BENCHMARKS, WORKLOADS
@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="PAGE.html", type=Path, default=None,
                         help="where to write the page (default: RUN.json's path with .html)")
     report.set_defaults(handler=_report)
-    add_doctor_parser(commands)
+    add_doctor_parser(commands).set_defaults(handler=_doctor)
     # inspect joins here as its lab module lands.
     return parser
 
@@ -218,6 +218,16 @@ def _run_with_progress(plan: ComparePlan, console: Console) -> CompareReport:
             progress.update(tasks[run], completed=p.step, loss=f"{p.loss:.4f}", speed=speed)
 
         return run_compare(plan, on_progress)
+
+
+# ----------------------------------------------------------------------------------------- doctor
+def _doctor(args: argparse.Namespace) -> int:
+    """Per-layer ranges of one recipe on one workload (lab/doctor_cli.py does the work)."""
+    try:
+        plan = plan_from_args(args, _check_writable, _make_out_dir)
+    except (ValueError, TypeError) as e:
+        raise _UsageError(str(e)) from e
+    return run_and_print(args, plan)
 
 
 # ----------------------------------------------------------------------------------------- report

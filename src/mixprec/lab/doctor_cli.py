@@ -19,16 +19,16 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .doctor import DEFAULT_RECIPE, DEFAULT_STEPS, plan_doctor, run_doctor
+from .doctor import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
 from .doctor_report import DoctorReport, render_doctor_table, render_findings
 from .trainer import TrainProgress
 from .workloads import BENCHMARKS, WORKLOADS
 
-__all__ = ["add_doctor_parser"]
+__all__ = ["add_doctor_parser", "plan_from_args", "run_and_print"]
 
 
-def add_doctor_parser(commands: argparse._SubParsersAction) -> None:
-    """Add the ``doctor`` subcommand to ``mixprec``'s parser."""
+def add_doctor_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``doctor`` subcommand to ``mixprec``'s parser; cli.py sets its handler."""
     doctor = commands.add_parser(
         "doctor", help="per-layer numeric ranges: what underflows or overflows in which format",
         description="Train a workload a few steps under one recipe and measure, per module, the ranges "
@@ -53,27 +53,30 @@ def add_doctor_parser(commands: argparse._SubParsersAction) -> None:
     doctor.add_argument("--out", metavar="DIR", type=Path, default=None,
                         help="write DIR/doctor.json and DIR/doctor.html (self-contained, with histograms)")
     doctor.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    doctor.set_defaults(handler=_doctor)
+    return doctor
 
 
-def _doctor(args: argparse.Namespace) -> int:
-    # Imported here: cli imports this module to build its parser.
-    from .cli import _check_writable, _make_out_dir, _UsageError
-    try:
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
-        modules = None if args.modules is None else args.modules.split(",")
-        plan = plan_doctor(args.workload, args.recipe, steps=args.steps, device=args.device, seed=args.seed,
-                           modules=modules)
-        if args.json is not None:
-            _check_writable(args.json, "--json")
-        if args.out is not None:
-            _make_out_dir(args.out)
-            for name in ("doctor.json", "doctor.html"):
-                _check_writable(args.out / name, "--out", fix="remove it or choose another --out directory")
-    except (ValueError, TypeError) as e:
-        raise _UsageError(str(e)) from e
+def plan_from_args(args: argparse.Namespace, check_writable, make_out_dir) -> DoctorPlan:
+    """Check the command's words and paths before training; ValueError/TypeError say what to fix.
 
+    ``check_writable`` and ``make_out_dir`` are cli.py's path checks (passed in: cli imports us).
+    """
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    modules = None if args.modules is None else args.modules.split(",")
+    plan = plan_doctor(args.workload, args.recipe, steps=args.steps, device=args.device, seed=args.seed,
+                       modules=modules)
+    if args.json is not None:
+        check_writable(args.json, "--json")
+    if args.out is not None:
+        make_out_dir(args.out)
+        for name in ("doctor.json", "doctor.html"):
+            check_writable(args.out / name, "--out", fix="remove it or choose another --out directory")
+    return plan
+
+
+def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
+    """Train with the collector, write the report and page, print the table and findings."""
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or saved_threads)
     try:
