@@ -70,13 +70,16 @@ def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Te
     fmt = get_format(fmt)
     w_q = quantize(w, fmt)
     u = u.to(torch.float32)
-    mant, exp = torch.frexp(w_q)                        # |w_q| = |mant| * 2**exp, |mant| in [0.5, 1)
-    nonzero_w = w_q != 0
-    # Binade of w_q; zeros and subnormals share the smallest normal binade's spacing.
-    binade = torch.where(nonzero_w, (exp - 1).clamp(min=fmt.min_exponent), fmt.min_exponent)
-    ulp = torch.ldexp(torch.ones_like(w_q), binade - fmt.mantissa_bits)   # a power of two: exact
-    toward_zero = nonzero_w & ((u > 0) != (w_q > 0))
-    denser_below = toward_zero & (mant.abs() == 0.5) & (exp - 1 > fmt.min_exponent)
+    bits = w_q.view(torch.int32) & 0x7FFFFFFF
+    # floor(log2|w_q|) from the fp32 exponent field; zeros and subnormals (field 0) share the spacing
+    # of fmt's smallest normal binade, as do fmt's own subnormals.
+    binade = ((bits >> 23) - 127).clamp(min=fmt.min_exponent)
+    # ulp = 2**(binade - m) built from its bit pattern: 2**(e + 24) is an fp32 normal for every
+    # format here (e >= -133), and the multiply by 2**-24 is exact (bf16's 2**-133 is an fp32 subnormal).
+    ulp = (((binade - fmt.mantissa_bits + 127 + 24) << 23).view(torch.float32)) * 2.0**-24
+    toward_zero = (bits != 0) & ((u > 0) != (w_q > 0))
+    power_of_two = (bits & 0x7FFFFF) == 0          # significand 1.000...: the binade below is denser
+    denser_below = toward_zero & power_of_two & (binade > fmt.min_exponent)
     half_gap = torch.where(denser_below, ulp * 0.25, ulp * 0.5)
     even = torch.remainder(w_q.abs() / ulp, 2) == 0        # |w_q| / ulp is the integer significand
     size = u.abs()

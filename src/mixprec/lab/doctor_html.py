@@ -155,7 +155,7 @@ def _histogram(ax: Axes, stats: TensorStats | None, what: str, shift: int | None
     ax.set_xlim(lo, hi)
     ax.set_xlabel("floor(log2 |x|)")
     ax.set_ylabel("share of nonzero values")
-    ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    ax.legend(loc="best", fontsize=8, framealpha=0.9)
 
 
 def _overview(grads: TensorStats | None, shift: int | None, run_shift: int | None) -> Figure:

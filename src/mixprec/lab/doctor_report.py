@@ -247,7 +247,7 @@ def render_doctor_table(report: DoctorReport) -> Table:
     run_scale = pow2_text(_exp_of(report.final_scale)) if report.scaled else "none"
     # Narrow headers, no type column: the table fits an 80-column log for short module names.
     for header in ("module", "grad<2^-24", f"@{run_scale}", "act ovf", "grad max", "lost fp16", "bf16",
-                   "window k", "rec."):
+                   "window", "rec"):
         table.add_column(header, justify="left" if header == "module" else "right", no_wrap=True)
     for r in layer_rows(report):
         w = r.window
@@ -290,8 +290,9 @@ def render_findings(report: DoctorReport) -> list[str]:
                  else "above the window (overflow risk: it skips steps and backs off)"
                  if k_run is not None and k_run > w.high
                  else "below the window (small gradients still flush)")
-        at_run = f"; at it {percent_text(below_floor(_all_grads(report), k_run))} stay below 2^-24" \
-            if k_run is not None else ""
+        share = below_floor(_all_grads(report), k_run) if k_run is not None else None
+        at_run = "" if share is None else \
+            f"; at that scale {percent_text(share) if share else 'none'} of the gradients stay below 2^-24"
         out.append(f"the run's loss scaler ended at {report.final_scale:g} after {report.steps} steps "
                    f"({report.skipped_steps} skipped): {where}{at_run}")
     elif not report.scaled:
