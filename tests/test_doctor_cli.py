@@ -48,6 +48,7 @@ def test_json_report_holds_every_module_and_kind(run):
     assert data["scales"] == [65536.0] * STEPS
     w = data["window"]
     assert w["low"] <= w["recommended"] == w["high"]
+    assert w["below_floor_unscaled"] < 0.01        # the digits MLP needs no loss scale (cf. test_beam)
 
 
 def test_report_round_trips_and_renders(run):
