@@ -2,6 +2,8 @@
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .devices import Support, supports
+from .diagnostics.ranges import RangeCollector, RangesResult, update_lost
+from .diagnostics.scale_window import ScaleWindow, scale_window
 from .engine import MixedPrecision, StepResult
 from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
                       classify, get_format, quantize)
@@ -18,4 +20,5 @@ __all__ = [
     "supports", "Support",
     "Format", "FORMATS", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2", "get_format",
     "quantize", "classify", "RangeCounts",
+    "RangeCollector", "RangesResult", "update_lost", "ScaleWindow", "scale_window",
 ]

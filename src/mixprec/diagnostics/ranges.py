@@ -49,7 +49,6 @@ __all__ = ["KINDS", "UPDATE_FORMATS", "ModuleRanges", "RangeCollector", "RangesR
 
 KINDS = ("activations", "activation_grads", "weights", "weight_grads", "updates")
 UPDATE_FORMATS: tuple[Format, ...] = (FP16, BF16)
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)   # their output is a child's output
 
 
 def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Tensor:
@@ -147,23 +146,26 @@ def _unknown_module(name: str, names: Sequence[str]) -> str:
 def select_modules(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, nn.Module]:
     """The modules whose ranges are worth reporting, by qualified name, in model order.
 
-    Every submodule except pure containers (Sequential, ModuleList, ModuleDict, whose output is their
-    last child's), plus the model itself only when it owns parameters directly (a bare ``nn.Linear``).
-    ``names`` keeps only those modules and everything inside them; an unknown name is a ValueError
-    that suggests close matches.
+    By default the layers: every module without submodules, and every module that owns parameters
+    directly (the model itself included, for a bare ``nn.Linear``). Composite modules (a transformer
+    block, its attention) are left out: their output is usually a child's, counted already. ``names``
+    keeps only those modules and the layers inside them (a named composite module is then reported
+    too); an unknown name is a ValueError that suggests close matches.
     """
-    candidates = {name: m for name, m in model.named_modules()
-                  if (name and not isinstance(m, _CONTAINERS))
-                  or (not name and any(True for _ in m.parameters(recurse=False)))}
+    def is_layer(m: nn.Module) -> bool:
+        return not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))
+
+    named = dict(model.named_modules())
     if names is None:
-        return candidates
-    all_names = [n for n, _ in model.named_modules() if n]
+        return {n: m for n, m in named.items() if is_layer(m) and (n or m is model)}
+    all_names = [n for n in named if n]
     for name in names:
-        if name not in all_names:
+        if name not in named or not name:
             raise ValueError(_unknown_module(name, all_names) + "; pass names as printed by "
                              "model.named_modules()")
-    return {n: m for n, m in candidates.items()
-            if any(n == sel or n.startswith(sel + ".") for sel in names)}
+    return {n: m for n, m in named.items()
+            if any(n == sel for sel in names)
+            or (is_layer(m) and any(n.startswith(sel + ".") for sel in names))}
 
 
 class RangeCollector:
@@ -272,7 +274,7 @@ class RangeCollector:
                 update = opt.detach().float() - w_before.float()   # the step's change, in fp32
                 self._histogram(name, "updates").add(update, keep=keep)
                 counts.append(torch.stack([
-                    torch.tensor(update.numel(), device=update.device),
+                    torch.full((), update.numel(), device=update.device),   # a fill: no copy, no sync
                     torch.count_nonzero(update == 0),
                     *(torch.count_nonzero(update_lost(w_before, update, f)) for f in UPDATE_FORMATS)]))
             step_counts = torch.stack(counts).sum(0) * keep.to(torch.int64)
