@@ -1,8 +1,8 @@
 """The cost of the doctor's range collection: a plain engine step against one with collection off and on.
 
 Three variants of the same training step (forward, backward, ``mp.step()``, ``zero_grad``) on a built-in
-workload's model, batch and optimizer, interleaved (plain, off, on, plain, off, on, ...) so drift in
-clock speed or load hits all alike:
+workload's model, batch and optimizer, interleaved (plain, off, on, then off, on, plain, ...: the order
+rotates) so drift in clock speed or load hits all alike:
 
 - plain: no collector at all;
 - off:   ``with collector.collecting(enabled=False)``: must install nothing and cost nothing;
@@ -67,8 +67,11 @@ def interleave(fns: dict, reps: int, device: torch.device) -> dict[str, float]:
     for _ in range(3):                       # warm-up: allocator, lazy optimizer state, first hooks
         for fn in fns.values():
             fn()
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(reps):
+        # Rotate the order each rep: whichever runs right after "on" also pays for freeing its garbage.
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            fn = fns[name]
             sync(device)
             t0 = time.perf_counter()
             fn()

@@ -41,3 +41,12 @@ def test_the_doctor_predicts_it_from_the_histograms():
     assert report.window.low <= 16 <= report.window.high
     head = report.modules[-1]
     assert head.name == "2" and head.stats["activation_grads"].fraction("fp16", "flush") > 0.3
+
+
+def test_without_a_loss_scale_the_doctor_sees_the_flush_as_zeros():
+    from mixprec.lab.doctor_report import render_findings
+    report = run_doctor(plan_doctor("beam", "params=fp32,compute=fp16,scale=none", steps=3, device="cpu"))
+    hidden = report.modules[0].gradients()
+    assert hidden.zeros == hidden.count                   # flushed in backward: nothing reached layer 0
+    findings = " ".join(render_findings(report))
+    assert "module '0'" in findings and "fp16's flush" in findings and "does not scale the loss" in findings

@@ -72,7 +72,7 @@ def format_thresholds(fmt: Format) -> tuple[int, int, int]:
     Computed once per format (cached), on the CPU.
 
         >>> [torch.tensor(b, dtype=torch.int32).view(torch.float32).item() for b in format_thresholds(FP16)]
-        [2.9802322387695312e-08, 6.100535392761230e-05, 65520.0]
+        [2.980232594040899e-08, 6.1005353927612305e-05, 65520.0]
     """
     nonzero = _first_bits(lambda v: bool(quantize(v, fmt)[0] != 0))
     normal = _first_bits(lambda v: bool(quantize(v, fmt)[0].abs() >= fmt.min_normal))

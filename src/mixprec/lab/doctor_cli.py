@@ -94,7 +94,10 @@ def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
         torch.set_num_threads(saved_threads)
 
     text = report.to_json() + "\n"
-    for path in [args.json] * (args.json is not None) + [args.out / "doctor.json"] * (args.out is not None):
+    paths = [args.json] if args.json is not None else []
+    if args.out is not None:
+        paths.append(args.out / "doctor.json")
+    for path in paths:
         path.write_text(text)
         print(f"report written to {path}", file=sys.stderr)
     if args.out is not None:

@@ -244,7 +244,8 @@ def render_doctor_table(report: DoctorReport) -> Table:
     table = Table(title=f"{report.workload} under {report.label} on {report.device}: ranges over "
                         f"{report.steps} steps (gradients in true units)",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    run_scale = pow2_text(_exp_of(report.final_scale)) if report.scaled else "none"
+    k_run = _exp_of(report.final_scale)
+    run_scale = pow2_text(k_run) if k_run is not None else f"{report.final_scale:g}"
     # Narrow headers, no type column: the table fits an 80-column log for short module names.
     for header in ("module", "grad<2^-24", f"@{run_scale}", "act ovf", "grad max", "lost fp16", "bf16",
                    "window", "rec"):
@@ -273,6 +274,12 @@ def render_findings(report: DoctorReport) -> list[str]:
                f"them to zero or rounds them to 2^-24"
                + (f" (worst: module {worst.name!r}, {percent_text(worst.underflow)})" if worst and worst.underflow
                   else ""))
+    dead = [m.name for m in report.modules
+            if (g := m.gradients()) is not None and g.count and g.zeros == g.count]
+    if dead:
+        out.append(f"every gradient value of module{'s' if len(dead) > 1 else ''} "
+                   f"{', '.join(repr(n) for n in dead)} was exactly zero"
+                   + ("" if report.scaled else ": without a loss scale, that is what fp16's flush looks like"))
     if w.low is None:
         out.append("loss scale: no nonzero finite gradients were seen; nothing to recommend")
     elif w.fits:
