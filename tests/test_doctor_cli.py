@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mixprec.diagnostics.ranges import KINDS
+from mixprec.lab.cli import main
 from mixprec.lab.doctor_report import DoctorReport, layer_rows
 
 TESTS = Path(__file__).parent
@@ -84,16 +85,17 @@ def test_bad_json_is_refused():
     (["--steps", "1", "--json", "."], ["is a directory"]),
     (["--workload", "resnet50"], ["GPU benchmark"]),
 ])
-def test_usage_errors_are_one_line_before_training(args, words):
-    proc = _cli(*args, "--device", "cpu")
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mixprec: error: "), proc.stderr
+def test_usage_errors_are_one_line_before_training(args, words, capsys):
+    # In process (main() is what the console script runs): each case must stop before training.
+    assert main(["doctor", *args, "--device", "cpu"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mixprec: error: "), lines
     for word in words:
         assert word in lines[0]
 
 
 def test_a_workload_without_parameters_is_refused():
+    # In a subprocess, as a user runs it: the user module is found from the working directory.
     proc = _cli("--workload", "doctor_workloads:no_params", "--steps", "1", "--device", "cpu", cwd=TESTS)
     assert proc.returncode == 2
     assert "has no trainable parameters" in proc.stderr and "Traceback" not in proc.stderr
