@@ -102,7 +102,8 @@ def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
         print(f"report written to {path}", file=sys.stderr)
     if args.out is not None:
         _write_page(report, args.out / "doctor.html")
-    out = Console(highlight=False)
+    # Piped or redirected, rich would cut the table to 80 columns; long module names need more.
+    out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     out.print(render_doctor_table(report))
     for line in render_findings(report):
         out.print(f"- {line}", soft_wrap=True)
