@@ -24,7 +24,7 @@ TESTS = Path(__file__).parent
 
 # ------------------------------------------------------------------------------------------ lookup
 def test_names_are_unique_and_each_kind_is_found():
-    assert set(WORKLOADS) == {"mlp", "cnn", "gpt"} and set(BENCHMARKS) == {"resnet50", "gpt2"}
+    assert set(WORKLOADS) == {"mlp", "cnn", "gpt", "beam"} and set(BENCHMARKS) == {"resnet50", "gpt2"}
     for name, w in {**WORKLOADS, **BENCHMARKS}.items():
         assert get_workload(name) is w and w.name == name
         assert w.synthetic == (name in BENCHMARKS)
@@ -32,7 +32,7 @@ def test_names_are_unique_and_each_kind_is_found():
 
 
 def test_unknown_name_lists_every_kind():
-    with pytest.raises(ValueError, match=r"unknown workload 'resnet'; built-in: mlp, cnn, gpt; benchmarks "
+    with pytest.raises(ValueError, match=r"unknown workload 'resnet'; built-in: mlp, cnn, gpt, beam; benchmarks "
                                          r".*: resnet50, gpt2; or your own as package.module:function"):
         get_workload("resnet")
     with pytest.raises(TypeError, match="workload must be a name"):

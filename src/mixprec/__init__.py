@@ -9,6 +9,8 @@ from .fp8 import Fp8LayerDecision, Fp8Linear, Fp8Reason, Fp8SwapReport
 from .diagnostics.memory_report import MemoryReport, memory_report
 from .diagnostics.nonfinite import NonfiniteOrigin, NonfiniteTracer
 from .diagnostics.tensor_cores import TensorCoreReport, trace_matmuls
+from .diagnostics.ranges import RangeCollector, RangesResult, update_lost
+from .diagnostics.scale_window import ScaleWindow, scale_window
 from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
                       classify, get_format, quantize)
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
@@ -30,4 +32,5 @@ __all__ = [
     "Fp8Config", "Fp8Scaling", "Fp8Linear", "Fp8SwapReport", "Fp8LayerDecision", "Fp8Reason",
     "Fp8EmulationWarning", "fp8_layer_stats", "count_fp8_ranges", "Fp8LayerStats", "Fp8TensorStats",
     "memory_report", "MemoryReport", "NonfiniteTracer", "NonfiniteOrigin", "trace_matmuls", "TensorCoreReport",
+    "RangeCollector", "RangesResult", "update_lost", "ScaleWindow", "scale_window",
 ]

@@ -21,6 +21,7 @@ A skipped step leaves weights, master weights, optimizer state and step counters
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import warnings
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .casting import cast_model, keeps_fp32, low_precision_params
 from .devices import supports
@@ -172,6 +174,8 @@ class MixedPrecision:
             # Imported only when asked for: diagnostics.nonfinite depends on torch and formats only.
             from .diagnostics.nonfinite import NonfiniteTracer
             self._nonfinite = NonfiniteTracer(model)
+        # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
+        self._step_observers: collections.OrderedDict[int, Any] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
@@ -225,6 +229,8 @@ class MixedPrecision:
         if not grads:
             raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
         scale = self.loss_scale.value
+        for observer in self._step_observers.values():
+            observer.before_step(self)      # gradients as backward left them: still scaled by S
         scaled_norm = _global_norm_f32(grads)
         found_inf = ~torch.isfinite(scaled_norm)
         # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
@@ -255,6 +261,8 @@ class MixedPrecision:
                 # An LR scheduler stepping next to us would warn that optimizer.step() was never
                 # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        for observer in self._step_observers.values():
+            observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
         if self.master is not None and (stepped or not self.master.keep):
             self.master.push_weights()
         if self._nonfinite is not None:
@@ -298,6 +306,18 @@ class MixedPrecision:
         if self._overflow is None and bool(found_inf):
             self._overflow = first_nonfinite(records, loss_scale=float(scale))
         return self._overflow
+    def add_step_observer(self, observer: Any) -> RemovableHandle:
+        """Call ``observer.before_step(engine)`` and ``observer.after_step(engine, found_inf)`` in every step.
+
+        ``before_step`` runs once the gradients are gathered (fp32 copies filled) and still scaled by
+        the loss scale ``engine.loss_scale.value``; ``after_step`` once the optimizer has stepped or
+        skipped (``found_inf``, a () bool tensor, says which) and before fp32 copies are rounded into
+        the model. For diagnostics (``diagnostics.ranges.RangeCollector``); ``handle.remove()`` detaches
+        it. With no observer, step() does nothing extra.
+        """
+        handle = RemovableHandle(self._step_observers)
+        self._step_observers[handle.id] = observer
+        return handle
 
     # ----------------------------------------------------------------- helpers
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .. import __version__
 from ..recipe import get_recipe, split_top_level
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
+from .doctor_cli import add_doctor_parser, plan_from_args, run_and_print
 from .report import CompareReport, render_notes, render_table, short_names
 from .trace import add_trace_parser, plan_trace
 from .trainer import TrainProgress
@@ -120,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     add_trace_parser(commands)
     commands.choices["trace"].set_defaults(handler=_trace)
     _add_inspect(commands)
-    # doctor joins here as its lab module lands.
+    add_doctor_parser(commands).set_defaults(handler=_doctor)
     return parser
 
 
@@ -257,6 +258,16 @@ def _run_with_progress(plan: ComparePlan, console: Console) -> CompareReport:
             progress.update(tasks[run], completed=p.step, loss=f"{p.loss:.4f}", speed=speed)
 
         return run_compare(plan, on_progress)
+
+
+# ----------------------------------------------------------------------------------------- doctor
+def _doctor(args: argparse.Namespace) -> int:
+    """Per-layer ranges of one recipe on one workload (lab/doctor_cli.py does the work)."""
+    try:
+        plan = plan_from_args(args, _check_writable, _make_out_dir)
+    except (ValueError, TypeError) as e:
+        raise _UsageError(str(e)) from e
+    return run_and_print(args, plan)
 
 
 # ----------------------------------------------------------------------------------------- report

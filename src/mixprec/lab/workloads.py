@@ -10,11 +10,13 @@ metrics compare across seeds and recipes. Three kinds, one lookup::
     ((1437, 64), (360, 64))
     >>> get_workload("resnet")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown workload 'resnet'; built-in: mlp, cnn, gpt; benchmarks (...): resnet50, gpt2; ...
+    ValueError: unknown workload 'resnet'; built-in: mlp, cnn, gpt, beam; benchmarks (...): resnet50, gpt2; ...
 
 - ``WORKLOADS``, real data that trains in seconds on a CPU: ``mlp`` (the seed's MLP on scikit-learn's
   8x8 digits), ``cnn`` (a small ResNet with BatchNorm on the same digits), ``gpt`` (a character-level
-  nanoGPT on the Python documentation that ships with CPython, ``pydoc_data.topics``: no download).
+  nanoGPT on the Python documentation that ships with CPython, ``pydoc_data.topics``: no download),
+  ``beam`` (cantilever deflection curves in metres, computed from the beam equation: a regression
+  where fp16 without loss scaling loses accuracy because its gradients underflow).
 - ``BENCHMARKS``, synthetic data at realistic sizes, for speed and memory on a GPU: ``resnet50``
   (ResNet-50, 224x224 images, batch 256, like seed 001's ``--benchmark 1``) and ``gpt2`` (GPT-2 small,
   124M parameters, 1024 tokens, batch 12). Their metric is the loss on a random batch: it says nothing
@@ -54,7 +56,7 @@ from torch import nn
 from .models import GPT, GPTConfig, ResNet50, SmallResNet
 
 __all__ = ["Split", "Workload", "WORKLOADS", "BENCHMARKS", "get_workload",
-           "accuracy", "cross_entropy", "mean_cross_entropy", "pydoc_text", "char_vocab", "text_windows",
+           "accuracy", "r2_score", "cross_entropy", "mean_cross_entropy", "pydoc_text", "char_vocab", "text_windows",
            "synthetic_split"]
 
 
@@ -272,7 +274,62 @@ GPT_CHAR = Workload(
     default_steps=600, tokens_per_sample=_GPT_BLOCK,
 )
 
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (MLP, CNN, GPT_CHAR)}
+# ---------------------------------------------------------------------------------------- beam
+# A regression in physical units where fp16 without loss scaling really fails (mixprec doctor predicts
+# it): the deflection curve of a steel cantilever under a tip load F, w(x) = F x^2 (3L - x) / (6 E I),
+# at 64 points along its length L, in metres (0.67 mm on average). The four inputs are standardised as
+# usual; the targets stay in metres. The MSE (m^2) is averaged over 64 points x 256 curves, so each
+# output's gradient is 2 (f - y) / 16384: once the fit is within ~0.25 mm (2**-12 m) it is below
+# fp16's smallest subnormal, 2**-24, and flushes to zero. fp32 keeps learning: with its output layer
+# zero-initialised (a common choice for regression heads) SGD's progress on the fit does not depend on
+# the units, and lr 3 was tuned in fp32 for this mean-reduced loss. No multiplier anywhere.
+
+_BEAM_POINTS = 64
+_BEAM_CURVES, _BEAM_TRAIN = 2000, 1600
+_BEAM_SEED = 0                   # fixed: the data set is the same whatever --seed says
+
+
+@functools.cache
+def _beam_curves() -> Split:
+    g = torch.Generator().manual_seed(_BEAM_SEED)
+    n = _BEAM_CURVES
+    load = torch.empty(n, dtype=torch.float64).uniform_(1e3, 5e3, generator=g)        # F, newtons
+    length = torch.empty(n, dtype=torch.float64).uniform_(0.8, 1.2, generator=g)      # L, metres
+    modulus = torch.empty(n, dtype=torch.float64).uniform_(190e9, 210e9, generator=g)  # E, Pa (steel)
+    inertia = torch.empty(n, dtype=torch.float64).uniform_(2e-6, 4e-6, generator=g)   # I, m^4
+    x = torch.linspace(0, 1, _BEAM_POINTS, dtype=torch.float64)[None, :] * length[:, None]   # (N, 64)
+    deflection = (load[:, None] * x**2 * (3 * length[:, None] - x)
+                  / (6 * modulus[:, None] * inertia[:, None]))                          # (N, 64) metres
+    inputs = torch.stack([load, length, modulus, inertia], dim=1)
+    inputs = (inputs - inputs.mean(0)) / inputs.std(0)                                  # standardised
+    x32, y32 = inputs.float(), deflection.float()
+    t = _BEAM_TRAIN
+    return Split(x32[:t], y32[:t], x32[t:], y32[t:])
+
+
+def _beam_mlp() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 256), nn.GELU(), nn.Linear(256, _BEAM_POINTS))
+    nn.init.zeros_(model[2].weight)      # the regression head starts at zero (and so at 0 m)
+    nn.init.zeros_(model[2].bias)
+    return model
+
+
+def r2_score(pred: torch.Tensor, target: torch.Tensor) -> float:
+    """Coefficient of determination over all outputs: 1 - SSE / SST (1 is perfect). Syncs with the host."""
+    pred, target = pred.double(), target.double()
+    return float(1 - ((pred - target) ** 2).sum() / ((target - target.mean(0)) ** 2).sum())
+
+
+BEAM = Workload(
+    name="beam",
+    summary=f"deflection curves of steel cantilevers ({_BEAM_POINTS} points, metres) from load, length, "
+            "modulus and inertia; 2-layer MLP, SGD; the MSE in m^2 is tiny: fp16 needs a loss scale",
+    build_model=_beam_mlp, load_data=_beam_curves, loss_fn=F.mse_loss,
+    make_optimizer=lambda params: torch.optim.SGD(params, lr=3.0, momentum=0.9), metric=r2_score,
+    metric_name="r2", batch_size=256, default_steps=400,
+)
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (MLP, CNN, GPT_CHAR, BEAM)}
 
 
 # ---------------------------------------------------------------------------------- benchmarks

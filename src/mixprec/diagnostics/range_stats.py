@@ -1,0 +1,214 @@
+"""Exact range statistics of tensors, accumulated on the device: the counting half of ``mixprec doctor``.
+
+One :class:`RangeHistogram` summarises every value it is fed (across calls and steps) with
+
+- ``count``, ``zeros``, ``nonfinite`` and ``amax`` (the largest finite magnitude);
+- an exponent histogram: how many nonzero finite values have ``floor(log2|x|) == k``, for
+  ``k = -127 .. 127`` (bin ``-127`` also holds fp32's subnormals, everything below ``2**-126``);
+- for each of fp16, bf16, fp8 e4m3 and fp8 e5m2, a :class:`~mixprec.formats.RangeCounts`: how many
+  values would be zero, flush to zero, become subnormal, stay normal, overflow, or were already
+  non-finite. These equal ``formats.classify(x, fmt)`` value for value (the tests check it), at a
+  fraction of its cost.
+
+How, exactly and cheaply: for positive floats the fp32 bit pattern orders like the value, so |x| is
+read as an int32 once. Its exponent field is the histogram bin. Each format's buckets are intervals of
+|x| whose ends (:func:`format_thresholds`) are found once by bisection over fp32 bit patterns with
+``formats.quantize`` itself, so "rounds to zero", "rounds below min_normal" and "rounds above max"
+(ties to even included) mean here exactly what they mean there. One ``bucketize`` against those ends
+and two counts per tensor; everything stays on the device until :meth:`RangeHistogram.result` reads it
+back (one host sync for all the numbers).
+
+    >>> h = RangeHistogram("cpu")
+    >>> h.add(torch.tensor([0.0, 1e-8, 1e-6, 1.0, 7e4, float("inf")]))
+    >>> r = h.result()
+    >>> r.formats["fp16"]
+    RangeCounts(zero=1, flush=1, subnormal=1, normal=1, overflow=1, nonfinite=1)
+    >>> r.exponent_counts()[0], r.amax
+    (1, 70000.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..formats import BF16, FP8_E4M3, FP8_E5M2, FP16, Format, RangeCounts, quantize
+
+__all__ = ["RANGE_FORMATS", "EXP_MIN", "EXP_MAX", "RangeHistogram", "TensorStats", "format_thresholds"]
+
+RANGE_FORMATS: tuple[Format, ...] = (FP16, BF16, FP8_E4M3, FP8_E5M2)
+EXP_MIN, EXP_MAX = -127, 127    # floor(log2|x|) of fp32's finite nonzero values; -127 lumps subnormals
+_N_EXP = EXP_MAX - EXP_MIN + 1
+_ABS_MASK = 0x7FFFFFFF          # clears the sign bit of an fp32 pattern
+_INF_BITS = 0x7F800000          # +inf; every pattern above it is a NaN
+_MAX_FINITE_BITS = 0x7F7FFFFF   # fp32 max
+
+
+def _first_bits(pred) -> int:
+    """The smallest positive fp32 bit pattern ``b`` for which ``pred(value of b)`` holds (pred monotone).
+
+    Bisection over [1, +inf bits]: 31 steps, each one ``quantize`` of a single value.
+    """
+    lo, hi = 1, _INF_BITS          # pred(hi) is assumed True (inf is past every threshold)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(torch.tensor([mid], dtype=torch.int32).view(torch.float32)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@functools.cache
+def format_thresholds(fmt: Format) -> tuple[int, int, int]:
+    """fp32 bit patterns where |x| starts to round to a nonzero value, to a normal one, to overflow.
+
+    For fp16 these are the patterns of ``2**-25`` plus one fp32 ulp (``2**-25`` itself ties to the
+    even zero), ``2**-14 - 2**-25`` (the tie between the largest subnormal and ``min_normal`` goes to
+    the even ``min_normal``) and ``65520`` (the tie above 65504 goes to inf). Found with
+    :func:`~mixprec.formats.quantize` itself, so they agree with ``classify`` by construction.
+    Computed once per format (cached), on the CPU.
+
+        >>> [torch.tensor(b, dtype=torch.int32).view(torch.float32).item() for b in format_thresholds(FP16)]
+        [2.980232594040899e-08, 6.1005353927612305e-05, 65520.0]
+    """
+    nonzero = _first_bits(lambda v: bool(quantize(v, fmt)[0] != 0))
+    normal = _first_bits(lambda v: bool(quantize(v, fmt)[0].abs() >= fmt.min_normal))
+    overflow = _first_bits(lambda v: not bool(torch.isfinite(quantize(v, fmt)[0])))
+    return nonzero, normal, overflow
+
+
+@functools.cache
+def _boundaries_cpu() -> tuple[torch.Tensor, dict[str, tuple[int, int, int, int, int]]]:
+    """Sorted int32 bucket ends: 1 (nonzero), every format's three thresholds, +inf (non-finite).
+
+    Returns the ends and, per format, the bucket indices where its flush, subnormal, normal,
+    overflow and non-finite ranges begin (zero is bucket 0).
+    """
+    ends = {1, _INF_BITS}
+    for fmt in RANGE_FORMATS:
+        ends.update(format_thresholds(fmt))
+    ordered = sorted(ends)
+    # With right=True, bucketize puts b in bucket i when ordered[i-1] <= b < ordered[i]: values at or
+    # above an end belong to the bucket that starts there, bucket index ordered.index(end) + 1.
+    starts = {fmt.name: (1, *(ordered.index(t) + 1 for t in format_thresholds(fmt)),
+                         ordered.index(_INF_BITS) + 1)
+              for fmt in RANGE_FORMATS}
+    return torch.tensor(ordered, dtype=torch.int32), starts
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorStats:
+    """What a :class:`RangeHistogram` saw, read back as plain numbers (goes into JSON as it is).
+
+    ``exponents`` holds ``(k, count)`` for each exponent ``k = floor(log2|x|)`` with a nonzero count,
+    ascending; ``formats`` maps a format name (``"fp16"``, ...) to its exact :class:`RangeCounts`.
+    """
+
+    count: int
+    zeros: int
+    nonfinite: int
+    amax: float
+    exponents: tuple[tuple[int, int], ...]
+    formats: dict[str, RangeCounts]
+
+    def exponent_counts(self) -> dict[int, int]:
+        """``{k: n}``: ``n`` nonzero finite values with ``floor(log2|x|) == k``."""
+        return dict(self.exponents)
+
+    def fraction(self, fmt: str, bucket: str) -> float:
+        """``formats[fmt].<bucket>`` as a fraction of all values counted (0.0 when none were)."""
+        return getattr(self.formats[fmt], bucket) / self.count if self.count else 0.0
+
+    def fraction_below(self, threshold_exp: int) -> float:
+        """Fraction of the *nonzero finite* values with ``|x| < 2**threshold_exp`` (exact: bins end there)."""
+        live = self.count - self.zeros - self.nonfinite
+        small = sum(n for k, n in self.exponents if k < threshold_exp)
+        return small / live if live else 0.0
+
+    @staticmethod
+    def merge(stats: list[TensorStats]) -> TensorStats | None:
+        """One TensorStats summing several (amax the largest); None for an empty list."""
+        if not stats:
+            return None
+        exps: dict[int, int] = {}
+        for s in stats:
+            for k, n in s.exponents:
+                exps[k] = exps.get(k, 0) + n
+        formats = {name: RangeCounts(*[sum(getattr(s.formats[name], f.name) for s in stats)
+                                       for f in dataclasses.fields(RangeCounts)])
+                   for name in stats[0].formats}
+        return TensorStats(count=sum(s.count for s in stats), zeros=sum(s.zeros for s in stats),
+                           nonfinite=sum(s.nonfinite for s in stats), amax=max(s.amax for s in stats),
+                           exponents=tuple(sorted(exps.items())), formats=formats)
+
+
+class RangeHistogram:
+    """Accumulates exact range statistics of every tensor passed to :meth:`add`, on ``device``.
+
+    ``add`` launches a handful of kernels and never syncs with the host; ``result`` syncs once.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        cpu_ends, self._starts = _boundaries_cpu()
+        self._ends = cpu_ends.to(self.device)
+        self._buckets = torch.zeros(len(cpu_ends) + 1, dtype=torch.int64, device=self.device)
+        self._exponents = torch.zeros(256, dtype=torch.int64, device=self.device)   # by fp32 exponent field
+        self._amax_bits = torch.zeros((), dtype=torch.int32, device=self.device)
+        self.tensors = 0   # how many tensors were added (a Python int: no sync)
+
+    def add(self, x: torch.Tensor, scale: torch.Tensor | None = None,
+            keep: torch.Tensor | None = None) -> None:
+        """Count the values of ``x`` (any float dtype), multiplied by ``scale`` first if given. No sync.
+
+        ``scale`` is a () fp32 device tensor, e.g. ``1 / S`` to bring loss-scaled gradients back to
+        true units: exact when S is a power of two and the result stays an fp32 normal. fp16, bf16 and
+        fp8 values are exact in fp32; float64 input is rounded to fp32 first. ``keep``, a () bool
+        device tensor, counts ``x`` only where it is True (deciding on the device, without a sync).
+        """
+        x_f32 = x.detach().to(torch.float32)
+        if scale is not None:
+            x_f32 = x_f32 * scale
+        # |x| as an int32 that orders like the value; NaN patterns land above +inf's.
+        abs_bits = x_f32.reshape(-1).view(torch.int32) & _ABS_MASK
+        weight = None if keep is None else keep.to(torch.int64)
+        self._count(torch.bucketize(abs_bits, self._ends, right=True), self._buckets, weight)
+        # The exponent field (bits 23..30) is floor(log2|x|) + 127 for normals, 0 for zeros/subnormals.
+        self._count(abs_bits >> 23, self._exponents, weight)
+        if abs_bits.numel():
+            finite_max = torch.where(abs_bits < _INF_BITS, abs_bits, 0).amax()   # int order = value order
+            if keep is not None:
+                finite_max = torch.where(keep, finite_max, 0)
+            torch.maximum(self._amax_bits, finite_max, out=self._amax_bits)
+        self.tensors += 1
+
+    @staticmethod
+    def _count(index: torch.Tensor, into: torch.Tensor, weight: torch.Tensor | None) -> None:
+        if index.device.type == "cpu":
+            counts = torch.bincount(index, minlength=len(into))   # bincount syncs on CUDA (sizes output)
+        else:
+            counts = torch.zeros_like(into).index_add_(0, index.long(), torch.ones_like(index, dtype=torch.int64))
+        into += counts if weight is None else counts * weight
+
+    def result(self) -> TensorStats:
+        """Everything counted so far as plain numbers. One host sync."""
+        buckets = self._buckets.tolist()
+        exponents = self._exponents.tolist()
+        amax = float(self._amax_bits.view(torch.float32))
+        total = sum(buckets)
+        zeros = buckets[0]
+        formats = {}
+        for name, (flush, sub, normal, over, nonfinite) in self._starts.items():
+            part = lambda a, b: sum(buckets[a:b])   # noqa: E731 - buckets a..b-1
+            formats[name] = RangeCounts(zero=zeros, flush=part(flush, sub), subnormal=part(sub, normal),
+                                        normal=part(normal, over), overflow=part(over, nonfinite),
+                                        nonfinite=part(nonfinite, len(buckets)))
+        nonfinite = formats[RANGE_FORMATS[0].name].nonfinite
+        # Field 0 holds the zeros and fp32's subnormals (floor(log2) <= -127): keep the subnormals.
+        exponents[0] -= zeros
+        pairs = tuple((field - 127, n) for field, n in enumerate(exponents[:255]) if n)
+        return TensorStats(count=total, zeros=zeros, nonfinite=nonfinite, amax=amax, exponents=pairs,
+                           formats=formats)

@@ -1,0 +1,309 @@
+"""Per-module numeric ranges of a training run: activations, their gradients, weights, weight gradients, updates.
+
+A :class:`RangeCollector` watches a :class:`~mixprec.MixedPrecision` engine while its ``collecting()``
+block is open and, per module (by qualified name), feeds five kinds of tensors to exact
+:class:`~mixprec.diagnostics.range_stats.RangeHistogram` counters on the device:
+
+- ``activations``: the module's forward outputs (as computed: fp16 under fp16 autocast);
+- ``activation_grads``: gradients with respect to those outputs (tensor hooks on them);
+- ``weights``: the weights the optimizer updates (fp32 master copies where the recipe keeps them);
+- ``weight_grads``: the gradients of the module's own parameters, as backward left them;
+- ``updates``: what the optimizer step changed each weight by (fp32), skipped steps left out.
+
+Gradients are counted in true units: loss-scaled gradients are multiplied by ``1/S`` first (exact for
+the power-of-two scales the dynamic scaler uses). It also counts, exactly, the updates that would
+vanish if added to fp16 or bf16 weights (:func:`update_lost`), the reason master weights exist::
+
+    collector = RangeCollector(mp)
+    for step, (x, y) in enumerate(batches):
+        with collector.collecting(enabled=step < 5):   # off: no hook is installed at all
+            with mp.autocast():
+                loss = loss_fn(model(x), y)
+            mp.backward(loss)
+            mp.step()
+        mp.zero_grad()
+    ranges = collector.result()       # one host sync; RangesResult, per module
+    ranges.module("0").stats["weight_grads"].fraction("fp16", "flush")
+
+Cost while collecting: a few kernels per tensor, no host sync, one fp32 clone of the weights per
+step (to measure updates). Off, nothing is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..formats import BF16, FP16, Format, get_format, quantize
+from ..loss_scale import NoLossScale
+from .range_stats import RangeHistogram, TensorStats
+
+__all__ = ["KINDS", "UPDATE_FORMATS", "ModuleRanges", "RangeCollector", "RangesResult", "UpdateLoss",
+           "select_modules", "update_lost"]
+
+KINDS = ("activations", "activation_grads", "weights", "weight_grads", "updates")
+UPDATE_FORMATS: tuple[Format, ...] = (FP16, BF16)
+
+
+def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """Where adding the nonzero update ``u`` to ``w`` held in ``fmt`` rounds back to the same weight.
+
+    ``w`` is first rounded to ``fmt`` (as a low-precision model holds it): ``w_q``. Round to nearest
+    even puts ``w_q + u`` back on ``w_q`` exactly when ``|u|`` is below half the gap to the neighbour in
+    ``u``'s direction, or equal to it with ``w_q``'s significand even. The gap is one ulp
+    ``2**(max(floor(log2|w_q|), min_exponent) - mantissa_bits)``, halved when ``u`` points toward zero
+    from an exact power of two (the binade below is twice as dense). Every quantity is a power of two
+    or an fp32 compare, so the answer is exact: no fp32 sum ``w_q + u`` is ever rounded twice. Zero,
+    inf and NaN updates are never "lost"; nor is anything on an infinite ``w_q``. No host sync.
+
+        >>> w = torch.ones(4)
+        >>> update_lost(w, torch.tensor([2**-12, 2**-11, 3 * 2**-12, -2**-12]), "fp16")
+        tensor([ True,  True, False,  True])
+    """
+    fmt = get_format(fmt)
+    w_q = quantize(w, fmt)
+    u = u.to(torch.float32)
+    bits = w_q.view(torch.int32) & 0x7FFFFFFF
+    # floor(log2|w_q|) from the fp32 exponent field; zeros and subnormals (field 0) share the spacing
+    # of fmt's smallest normal binade, as do fmt's own subnormals.
+    binade = ((bits >> 23) - 127).clamp(min=fmt.min_exponent)
+    # ulp = 2**(binade - m) built from its bit pattern: 2**(e + 24) is an fp32 normal for every
+    # format here (e >= -133), and the multiply by 2**-24 is exact (bf16's 2**-133 is an fp32 subnormal).
+    ulp = (((binade - fmt.mantissa_bits + 127 + 24) << 23).view(torch.float32)) * 2.0**-24
+    toward_zero = (bits != 0) & ((u > 0) != (w_q > 0))
+    power_of_two = (bits & 0x7FFFFF) == 0          # significand 1.000...: the binade below is denser
+    denser_below = toward_zero & power_of_two & (binade > fmt.min_exponent)
+    half_gap = torch.where(denser_below, ulp * 0.25, ulp * 0.5)
+    even = torch.remainder(w_q.abs() / ulp, 2) == 0        # |w_q| / ulp is the integer significand
+    size = u.abs()
+    vanishes = (size < half_gap) | ((size == half_gap) & even)
+    return vanishes & (u != 0) & torch.isfinite(u) & torch.isfinite(w_q)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateLoss:
+    """Weight updates of one module counted over the collected steps (skipped steps left out).
+
+    ``lost[fmt]`` counts the nonzero updates that would round away on weights held in ``fmt``.
+    """
+
+    updates: int
+    zeros: int
+    lost: dict[str, int]
+
+    def fraction(self, fmt: str) -> float:
+        """Lost updates as a fraction of the nonzero ones (0.0 when there are none)."""
+        live = self.updates - self.zeros
+        return self.lost[fmt] / live if live else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRanges:
+    """One module's statistics: ``stats[kind]`` for each of :data:`KINDS` it produced."""
+
+    name: str
+    type: str
+    stats: dict[str, TensorStats]
+    update_loss: UpdateLoss | None = None
+
+    def gradients(self) -> TensorStats | None:
+        """Activation and weight gradients together: what a backward pass in fp16 must hold."""
+        return TensorStats.merge([self.stats[k] for k in ("activation_grads", "weight_grads")
+                                  if k in self.stats])
+
+
+@dataclasses.dataclass(frozen=True)
+class RangesResult:
+    """Everything a collector counted: per module, in model order, and the steps it covered."""
+
+    modules: tuple[ModuleRanges, ...]
+    steps: int
+
+    def module(self, name: str) -> ModuleRanges:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(_unknown_module(name, [m.name for m in self.modules]))
+
+    def gradients(self) -> TensorStats | None:
+        """Every module's gradients merged: the run's whole gradient distribution."""
+        return TensorStats.merge([g for g in (m.gradients() for m in self.modules) if g is not None])
+
+
+def _unknown_module(name: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+    shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+    return f"no module named {name!r} in the model; {hint}its modules: {shown}"
+
+
+def select_modules(model: nn.Module, names: Sequence[str] | None = None) -> dict[str, nn.Module]:
+    """The modules whose ranges are worth reporting, by qualified name, in model order.
+
+    By default the layers: every module without submodules, and every module that owns parameters
+    directly (the model itself included, for a bare ``nn.Linear``). Composite modules (a transformer
+    block, its attention) are left out: their output is usually a child's, counted already. ``names``
+    keeps only those modules and the layers inside them (a named composite module is then reported
+    too); an unknown name is a ValueError that suggests close matches.
+    """
+    def is_layer(m: nn.Module) -> bool:
+        return not any(True for _ in m.children()) or any(True for _ in m.parameters(recurse=False))
+
+    named = dict(model.named_modules())
+    if names is None:
+        return {n: m for n, m in named.items() if is_layer(m) and (n or m is model)}
+    all_names = [n for n in named if n]
+    for name in names:
+        if name not in named or not name:
+            raise ValueError(_unknown_module(name, all_names) + "; pass names as printed by "
+                             "model.named_modules()")
+    return {n: m for n, m in named.items()
+            if any(n == sel for sel in names)
+            or (is_layer(m) and any(n.startswith(sel + ".") for sel in names))}
+
+
+class RangeCollector:
+    """Counts per-module ranges of ``engine``'s training steps while ``collecting()`` is open.
+
+    ``modules`` restricts it to the named modules (and what they contain); see :func:`select_modules`.
+    Each parameter belongs to the first selected module that owns it (a tied weight is counted once).
+    """
+
+    def __init__(self, engine: Any, modules: Sequence[str] | None = None) -> None:
+        self.engine = engine
+        model: nn.Module = engine.model
+        self._modules = select_modules(model, modules)
+        if not self._modules:
+            raise ValueError(f"{type(model).__name__} has no submodules to watch: give it layers")
+        # The tensor the optimizer updates for each model parameter: the fp32 copy, or the parameter.
+        master = engine.master
+        optimized = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+        to_opt = {id(p): m for p, m in zip(master.model_params, master.masters)} if master else {}
+        seen: set[int] = set()
+        self._params: dict[str, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        for name, module in self._modules.items():
+            own = []
+            for p in module.parameters(recurse=False):
+                opt = to_opt.get(id(p), p)
+                if id(p) in seen or id(opt) not in optimized:
+                    continue
+                seen.add(id(p))
+                own.append((p, opt))
+            if own:
+                self._params[name] = own
+        self._hist: dict[tuple[str, str], RangeHistogram] = {}
+        self._lost: dict[str, torch.Tensor] = {}   # per module: [updates, zeros, lost per format]
+        self._before: list[torch.Tensor] = []
+        self._collecting = False
+        self.steps = 0
+
+    # ----------------------------------------------------------------------------- collecting
+    @contextlib.contextmanager
+    def collecting(self, enabled: bool = True) -> Iterator[None]:
+        """Install the hooks for the block (one training step: forward, backward, ``step()``).
+
+        ``enabled=False`` installs nothing: the block runs exactly as without the collector.
+        """
+        if not enabled:
+            yield
+            return
+        if self._collecting:
+            raise RuntimeError("collecting() is already open; close it before opening it again")
+        handles = [m.register_forward_hook(self._forward_hook(name)) for name, m in self._modules.items()]
+        handles.append(self.engine.add_step_observer(self))
+        self._collecting = True
+        try:
+            yield
+        finally:
+            self._collecting = False
+            for h in handles:
+                h.remove()
+        self.steps += 1
+
+    def _histogram(self, name: str, kind: str) -> RangeHistogram:
+        key = (name, kind)
+        if key not in self._hist:
+            self._hist[key] = RangeHistogram(self.engine.device)
+        return self._hist[key]
+
+    def _inverse_scale(self) -> torch.Tensor | None:
+        """``1 / S`` as a () device tensor, or None without a loss scale (nothing to undo). No sync."""
+        if isinstance(self.engine.loss_scale, NoLossScale):
+            return None
+        return self.engine.loss_scale.value.reciprocal()   # S a power of two: 1/S is exact
+
+    def _forward_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            for t in _floating_tensors(output):
+                self._histogram(name, "activations").add(t)
+                if t.requires_grad:
+                    t.register_hook(lambda g, name=name: self._grad_hook(name, g))
+        return hook
+
+    def _grad_hook(self, name: str, grad: torch.Tensor) -> None:
+        self._histogram(name, "activation_grads").add(grad, self._inverse_scale())
+
+    # --------------------------------------------------------- engine step observer protocol
+    def before_step(self, engine: Any) -> None:
+        """Count weights and weight gradients; remember the weights to measure the update. No sync."""
+        inverse = self._inverse_scale()
+        before = []
+        for name, params in self._params.items():
+            for p, opt in params:
+                if p.grad is not None:
+                    self._histogram(name, "weight_grads").add(p.grad, inverse)
+                self._histogram(name, "weights").add(opt)
+                before.append(opt.detach().clone())
+        self._before = before
+
+    @torch.no_grad()
+    def after_step(self, engine: Any, found_inf: torch.Tensor) -> None:
+        """Count the updates and those that fp16/bf16 weights would lose; skipped steps count 0. No sync."""
+        keep = ~found_inf
+        before = iter(self._before)
+        for name, params in self._params.items():
+            counts = []
+            for _, opt in params:
+                w_before = next(before)
+                update = opt.detach().float() - w_before.float()   # the step's change, in fp32
+                self._histogram(name, "updates").add(update, keep=keep)
+                counts.append(torch.stack([
+                    torch.full((), update.numel(), device=update.device),   # a fill: no copy, no sync
+                    torch.count_nonzero(update == 0),
+                    *(torch.count_nonzero(update_lost(w_before, update, f)) for f in UPDATE_FORMATS)]))
+            step_counts = torch.stack(counts).sum(0) * keep.to(torch.int64)
+            self._lost[name] = self._lost[name] + step_counts if name in self._lost else step_counts
+        self._before = []
+
+    # ------------------------------------------------------------------------------ result
+    def result(self) -> RangesResult:
+        """What was counted, per module in model order. One host sync per counter (at the end only)."""
+        modules = []
+        for name, module in self._modules.items():
+            stats = {kind: self._hist[(name, kind)].result() for kind in KINDS if (name, kind) in self._hist}
+            loss = None
+            if name in self._lost:
+                updates, zeros, *lost = self._lost[name].tolist()
+                loss = UpdateLoss(updates, zeros, {f.name: n for f, n in zip(UPDATE_FORMATS, lost)})
+            if stats:
+                modules.append(ModuleRanges(name, type(module).__name__, stats, loss))
+        return RangesResult(tuple(modules), self.steps)
+
+
+def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Floating tensors in a module output: a tensor, or nested tuples, lists and dicts of them."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _floating_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _floating_tensors(v)

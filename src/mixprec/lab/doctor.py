@@ -1,0 +1,141 @@
+"""The doctor experiment: train a workload a few steps under one recipe and measure its ranges per layer.
+
+Two phases, like compare: ``plan_doctor`` checks every input (workload, recipe and device, steps, seed,
+module names) before anything trains; ``run_doctor`` trains with a
+:class:`~mixprec.diagnostics.ranges.RangeCollector` open on every step and returns a typed
+:class:`~mixprec.lab.doctor_report.DoctorReport`::
+
+    plan = plan_doctor("mlp", "fp16", steps=20, device="cpu")
+    report = run_doctor(plan)
+    report.window.recommended            # log2 of the recommended loss scale, or None
+    report.modules[0].stats["weight_grads"].fraction("fp16", "flush")
+
+Default recipe ``fp16`` (torch.amp's O1 with a dynamic loss scale): gradients are measured in true
+units (divided by the scale), so the histograms show what fp16 *without* scaling would flush, and the
+report sets the scaler's choice beside the recommended window. Under ``scale=none`` the flushed
+gradients are already zeros when they are counted: the doctor says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import __version__
+from ..devices import resolve_device, supports
+from ..diagnostics.ranges import RangeCollector, select_modules
+from ..diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
+from ..engine import MixedPrecision
+from ..recipe import RECIPES, Recipe, get_recipe
+from .doctor_report import DoctorReport
+from .trainer import TrainProgress, batch_order, check_steps
+from .workloads import Workload, get_workload
+
+__all__ = ["DEFAULT_RECIPE", "DEFAULT_STEPS", "DoctorPlan", "plan_doctor", "run_doctor"]
+
+DEFAULT_RECIPE = "fp16"
+DEFAULT_STEPS = 20      # "a few steps": enough for the ranges to settle, seconds on a CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class DoctorPlan:
+    """A validated doctor run: the recipe runs on ``device``, the module names exist."""
+
+    workload: Workload
+    recipe: Recipe
+    device: torch.device
+    steps: int
+    seed: int
+    modules: tuple[str, ...] | None = None
+
+
+def plan_doctor(workload: str | Workload = "mlp", recipe: str | Recipe = DEFAULT_RECIPE, *,
+                steps: int | None = None, device: str | torch.device | None = "auto", seed: int = 0,
+                modules: Sequence[str] | None = None) -> DoctorPlan:
+    """Check everything a doctor run needs before it trains; ValueError/TypeError name the fix.
+
+    Builds the workload's model once (on the CPU, the caller's random state untouched) to check that
+    it has trainable parameters and that ``modules`` name real submodules.
+    """
+    if not isinstance(workload, Workload):
+        workload = get_workload(workload)
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    if workload.synthetic and device.type == "cpu" and steps is None:
+        raise ValueError(f"{workload.name} is a GPU benchmark (realistic sizes, synthetic data); run it "
+                         f"with --device cuda, or name --steps N to run it on the CPU anyway")
+    steps = DEFAULT_STEPS if steps is None else check_steps(steps)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    recipe = get_recipe(recipe)
+    support = supports(recipe, device)
+    if not support.ok:
+        runnable = [n for n, r in RECIPES.items() if supports(r, device).ok]
+        raise ValueError(f"recipe {recipe.label!r} cannot run on {device}: {support.reason} "
+                         f"(recipes {device.type} can run: {', '.join(runnable)})")
+    with torch.random.fork_rng(devices=[]):
+        model = workload.build_model()
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"workload {workload.name!r}: its model ({type(model).__name__}) has no trainable "
+                         "parameters, so there are no gradients or updates to diagnose; give it layers "
+                         "with weights")
+    if modules is not None:
+        modules = tuple(m.strip() for m in modules if m.strip())
+        if not modules:
+            raise ValueError("--modules is empty; name modules as model.named_modules() prints them, "
+                             "e.g. --modules 0,2")
+        select_modules(model, modules)      # raises with close matches for an unknown name
+    return DoctorPlan(workload, recipe, device, steps, seed, modules)
+
+
+def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | None = None) -> DoctorReport:
+    """Train ``plan.steps`` steps from seed-fixed weights, collecting ranges on every one; report.
+
+    The weights and minibatch order are the ones ``mixprec compare`` uses for the same seed.
+    Syncs with the host on each progress report and at the end.
+    """
+    w, device = plan.workload, plan.device
+    data = w.load_data().to(device)
+    order = batch_order(len(data.y_train), w.batch_size, plan.steps, plan.seed).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(plan.seed)
+        model = w.build_model()
+    model.to(device)
+    mp = MixedPrecision(model, w.make_optimizer(model.parameters()), plan.recipe, seed=plan.seed)
+    collector = RangeCollector(mp, plan.modules)
+    losses_t, scales_t = [], []
+    model.train()
+    if on_progress is not None:
+        on_progress(TrainProgress(0, plan.steps, math.nan, math.nan))
+    for step in range(plan.steps):
+        idx = order[step]                                             # (B,)
+        with collector.collecting():
+            with mp.autocast():
+                loss = w.loss_fn(model(data.x_train[idx]), data.y_train[idx])
+            mp.backward(loss)
+            result = mp.step()
+        mp.zero_grad()
+        losses_t.append(loss.detach())
+        scales_t.append(result.scale_t)
+        if on_progress is not None:
+            on_progress(TrainProgress(step + 1, plan.steps, float(losses_t[-1]), math.nan))
+    ranges = collector.result()
+    return DoctorReport(
+        workload=w.name, recipe=str(plan.recipe), label=plan.recipe.label, device=str(device),
+        device_name=_device_name(device), torch_version=torch.__version__, mixprec_version=__version__,
+        steps=plan.steps, batch_size=w.batch_size, seed=plan.seed,
+        losses=tuple(torch.stack(losses_t).float().tolist()), scales=tuple(torch.stack(scales_t).tolist()),
+        skipped_steps=mp.skipped_steps, scaled=plan.recipe.loss_scale.kind != "none",
+        small_fraction=SMALL_FRACTION, margin=MARGIN, modules=ranges.modules,
+        window=scale_window(ranges.gradients()))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"{platform.machine() or 'unknown'} CPU"
+    return device.type

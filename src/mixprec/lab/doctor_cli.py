@@ -1,0 +1,116 @@
+"""``mixprec doctor``: the command's parser and handler (``lab/cli.py`` registers them).
+
+    mixprec doctor --workload mlp                      # fp16 (dynamic scale), 20 steps, the table
+    mixprec doctor --workload deep --recipe fp32 --steps 50 --out runs/doctor   # + doctor.json/.html
+    mixprec doctor --workload gpt --modules blocks.0 --json gpt.json
+
+Progress goes to stderr, the table and findings to stdout, the report to ``--json`` and/or ``--out
+DIR`` (``DIR/doctor.json`` and ``DIR/doctor.html``). Mistakes are one line, ``mixprec: error: ...``,
+exit status 2, found before anything trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .doctor import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
+from .doctor_report import DoctorReport, render_doctor_table, render_findings
+from .trainer import TrainProgress
+from .workloads import BENCHMARKS, WORKLOADS
+
+__all__ = ["add_doctor_parser", "plan_from_args", "run_and_print"]
+
+
+def add_doctor_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``doctor`` subcommand to ``mixprec``'s parser; cli.py sets its handler."""
+    doctor = commands.add_parser(
+        "doctor", help="per-layer numeric ranges: what underflows or overflows in which format",
+        description="Train a workload a few steps under one recipe and measure, per module, the ranges "
+                    "of activations, gradients (in true units), weights and updates: the exact share "
+                    "each of fp16, bf16, fp8 e4m3 and e5m2 would flush, make subnormal or overflow; "
+                    "updates that fp16/bf16 weights would lose; and the window of loss scales that fits "
+                    "the gradients into fp16.")
+    doctor.add_argument("--workload", default="mlp",
+                        help=f"built-in workload ({', '.join(WORKLOADS)}; default mlp), a benchmark "
+                             f"({', '.join(BENCHMARKS)}), or your own as package.module:function")
+    doctor.add_argument("--recipe", default=DEFAULT_RECIPE,
+                        help=f"one recipe name or string (default {DEFAULT_RECIPE}: its dynamic loss scale "
+                             "lets the doctor see gradients fp16 alone would flush)")
+    doctor.add_argument("--steps", type=int, default=None,
+                        help=f"training steps, statistics collected on each (default {DEFAULT_STEPS})")
+    doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    doctor.add_argument("--seed", type=int, default=0, help="initial weights and batch order (default 0)")
+    doctor.add_argument("--modules", default=None, metavar="NAMES",
+                        help="only these modules (and what they contain), comma-separated qualified "
+                             "names as model.named_modules() prints them, e.g. blocks.0,lm_head")
+    doctor.add_argument("--json", metavar="PATH", type=Path, default=None, help="write the report as JSON")
+    doctor.add_argument("--out", metavar="DIR", type=Path, default=None,
+                        help="write DIR/doctor.json and DIR/doctor.html (self-contained, with histograms)")
+    doctor.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    return doctor
+
+
+def plan_from_args(args: argparse.Namespace, check_writable, make_out_dir) -> DoctorPlan:
+    """Check the command's words and paths before training; ValueError/TypeError say what to fix.
+
+    ``check_writable`` and ``make_out_dir`` are cli.py's path checks (passed in: cli imports us).
+    """
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    modules = None if args.modules is None else args.modules.split(",")
+    plan = plan_doctor(args.workload, args.recipe, steps=args.steps, device=args.device, seed=args.seed,
+                       modules=modules)
+    if args.json is not None:
+        check_writable(args.json, "--json")
+    if args.out is not None:
+        make_out_dir(args.out)
+        for name in ("doctor.json", "doctor.html"):
+            check_writable(args.out / name, "--out", fix="remove it or choose another --out directory")
+    return plan
+
+
+def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
+    """Train with the collector, write the report and page, print the table and findings."""
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or saved_threads)
+    try:
+        with Progress(TextColumn(f"doctor {plan.workload.name} under {plan.recipe.label}"), BarColumn(),
+                      MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
+                      console=Console(stderr=True)) as progress:
+            task = progress.add_task("", total=plan.steps, loss="-")
+
+            def on_progress(p: TrainProgress) -> None:
+                if p.step:
+                    progress.update(task, completed=p.step, loss=f"{p.loss:.4g}")
+
+            report = run_doctor(plan, on_progress)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+    text = report.to_json() + "\n"
+    paths = [args.json] if args.json is not None else []
+    if args.out is not None:
+        paths.append(args.out / "doctor.json")
+    for path in paths:
+        path.write_text(text)
+        print(f"report written to {path}", file=sys.stderr)
+    if args.out is not None:
+        _write_page(report, args.out / "doctor.html")
+    # Piped or redirected, rich would cut the table to 80 columns; long module names need more.
+    out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    out.print(render_doctor_table(report))
+    for line in render_findings(report):
+        out.print(f"- {line}", soft_wrap=True)
+    return 0
+
+
+def _write_page(report: DoctorReport, path: Path) -> None:
+    from .doctor_html import render_doctor_html   # matplotlib: only when a page is asked for
+    path.write_bytes(render_doctor_html(report).encode("utf-8"))
+    print(f"HTML page written to {path}", file=sys.stderr)

@@ -1,0 +1,61 @@
+"""CUDA-only checks for the doctor's counters: no host sync while collecting, same counts as on the CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.diagnostics.range_stats import RangeHistogram
+from mixprec.diagnostics.ranges import RangeCollector, update_lost
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
+
+
+def test_histogram_on_cuda_counts_what_the_cpu_counts_without_a_sync():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100_000, generator=g) * torch.exp2(torch.randint(-140, 120, (100_000,), generator=g).float())
+    cpu, gpu = RangeHistogram("cpu"), RangeHistogram("cuda")
+    cpu.add(x)
+    x_cuda, scale = x.cuda(), torch.tensor(1.0, device="cuda")
+    gpu.add(x_cuda[:10])                     # first call: lazy CUDA setup may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu.add(x_cuda[10:], scale=scale, keep=torch.tensor(True, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert gpu.result() == cpu.result()
+
+
+def test_update_lost_on_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(50_000, generator=g)
+    u = torch.randn(50_000, generator=g) * 1e-4
+    for fmt in ("fp16", "bf16"):
+        assert torch.equal(update_lost(w.cuda(), u.cuda(), fmt).cpu(), update_lost(w, u, fmt))
+
+
+@pytest.mark.parametrize("recipe", ["fp16", "bf16", "fp16-pure"])
+def test_collecting_a_step_does_not_sync(recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10)).cuda()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), recipe)
+    collector = RangeCollector(mp)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+    for step in range(3):
+        if step == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with collector.collecting():
+                with mp.autocast():
+                    loss = F.cross_entropy(model(x), y)
+                mp.backward(loss)
+                mp.step()
+            mp.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    r = collector.result()
+    assert r.steps == 3 and r.module("0").stats["weights"].count == 3 * (64 * 128 + 128)

@@ -1,0 +1,101 @@
+"""``mixprec doctor`` end to end in a subprocess: the report (JSON, HTML, table) and every usage error."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixprec.diagnostics.ranges import KINDS
+from mixprec.lab.cli import main
+from mixprec.lab.doctor_report import DoctorReport, layer_rows
+
+TESTS = Path(__file__).parent
+STEPS = 3
+
+
+def _cli(*args, cwd=None, timeout=180):
+    return subprocess.run([sys.executable, "-m", "mixprec.lab.cli", "doctor", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("doctor")
+    proc = _cli("--workload", "mlp", "--steps", str(STEPS), "--device", "cpu", "--out", str(out),
+                "--json", str(out / "copy.json"), "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    return proc, out
+
+
+def test_json_report_holds_every_module_and_kind(run):
+    _, out = run
+    data = json.loads((out / "doctor.json").read_text())
+    assert data["kind"] == "doctor" and data["workload"] == "mlp" and data["steps"] == STEPS
+    assert data["recipe"] == "params=fp32,compute=fp16,master=none,scale=dynamic"
+    assert [m["name"] for m in data["modules"]] == ["0", "1", "2"]       # Linear, ReLU, Linear
+    linear = data["modules"][0]
+    assert set(linear["stats"]) == set(KINDS)
+    assert set(data["modules"][1]["stats"]) == {"activations", "activation_grads"}   # ReLU: no weights
+    # Every value is counted once per step: 64 samples x 256 hidden units of output, 64*256+256 weights.
+    assert linear["stats"]["activations"]["count"] == STEPS * 64 * 256
+    assert linear["stats"]["weights"]["count"] == STEPS * (64 * 256 + 256)
+    for stats in linear["stats"].values():
+        for counts in stats["formats"].values():
+            assert sum(counts.values()) == stats["count"]
+        assert sum(n for _, n in stats["exponents"]) == stats["count"] - stats["zeros"] - stats["nonfinite"]
+    assert data["scales"] == [65536.0] * STEPS
+    w = data["window"]
+    assert w["low"] <= w["recommended"] == w["high"]
+    assert w["below_floor_unscaled"] < 0.01        # the digits MLP needs no loss scale (cf. test_beam)
+
+
+def test_report_round_trips_and_renders(run):
+    proc, out = run
+    text = (out / "doctor.json").read_text()
+    assert text == (out / "copy.json").read_text()
+    report = DoctorReport.from_json(text)
+    assert DoctorReport.from_json(report.to_json()) == report
+    assert json.loads(report.to_json()) == json.loads(text)
+    rows = layer_rows(report)
+    assert [r.severity for r in rows] == sorted((r.severity for r in rows), reverse=True)
+    page = (out / "doctor.html").read_text()
+    assert page.count("<img") == 1 + len(report.modules)      # the overview and one per module
+    assert "http" not in page.replace("http-equiv", "")        # self-contained
+    assert "loss scale:" in proc.stdout and "grad<2^-24" in proc.stdout
+
+
+def test_bad_json_is_refused():
+    with pytest.raises(ValueError, match="not a mixprec doctor report"):
+        DoctorReport.from_json('{"kind": "compare"}')
+    with pytest.raises(ValueError, match="invalid JSON"):
+        DoctorReport.from_json("{")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--steps", "0"], ["steps must be at least 1"]),
+    (["--workload", "gpt", "--steps", "1", "--modules", "blocks.0.atn"], ["did you mean 'blocks.0.attn'"]),
+    (["--steps", "1", "--modules", ","], ["--modules is empty"]),
+    (["--steps", "1", "--recipe", "fp17"], ["unknown recipe 'fp17'"]),
+    (["--steps", "1", "--recipe", "tf32"], ["cannot run on cpu"]),
+    (["--workload", "nope", "--steps", "1"], ["unknown workload 'nope'"]),
+    (["--steps", "1", "--seed", "-1"], ["seed must be a non-negative integer"]),
+    (["--steps", "1", "--json", "."], ["is a directory"]),
+    (["--workload", "resnet50"], ["GPU benchmark"]),
+])
+def test_usage_errors_are_one_line_before_training(args, words, capsys):
+    # In process (main() is what the console script runs): each case must stop before training.
+    assert main(["doctor", *args, "--device", "cpu"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mixprec: error: "), lines
+    for word in words:
+        assert word in lines[0]
+
+
+def test_a_workload_without_parameters_is_refused():
+    # In a subprocess, as a user runs it: the user module is found from the working directory.
+    proc = _cli("--workload", "doctor_workloads:no_params", "--steps", "1", "--device", "cpu", cwd=TESTS)
+    assert proc.returncode == 2
+    assert "has no trainable parameters" in proc.stderr and "Traceback" not in proc.stderr
