@@ -48,10 +48,13 @@ def low_precision_params(model: nn.Module, recipe: Recipe) -> list[nn.Parameter]
     return params
 
 
-def cast_model(model: nn.Module, recipe: Recipe) -> list[torch.utils.hooks.RemovableHandle]:
+def cast_model(model: nn.Module, recipe: Recipe, *,
+               cast_params: bool = True) -> list[torch.utils.hooks.RemovableHandle]:
     """Cast the model in place for ``recipe`` and install its casting hooks; returns the hook handles.
 
     Parameters keep their identity (``p.data`` is replaced), so references held elsewhere stay valid.
+    ``cast_params=False`` leaves the parameters alone (FSDP2 casts them as it gathers them) and casts
+    only the floating buffers and installs the hooks.
     """
     handles = []
     if recipe.param.is_low:
@@ -64,7 +67,7 @@ def cast_model(model: nn.Module, recipe: Recipe) -> list[torch.utils.hooks.Remov
                 handles.append(module.register_forward_hook(_restore_output_dtype_hook, with_kwargs=True))
                 continue
             for p in module.parameters(recurse=False):
-                if id(p) in low:
+                if cast_params and id(p) in low:
                     p.data = p.data.to(dtype)
             for name, buf in module.named_buffers(recurse=False):
                 if buf.is_floating_point():
