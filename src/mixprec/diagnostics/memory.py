@@ -18,6 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..distributed import local_shard
+
 __all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes"]
 
 
@@ -39,11 +41,15 @@ class MemoryBreakdown:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once).
+
+    A DTensor (FSDP2) counts its local shard: the bytes this rank holds.
+    """
     seen: dict[tuple[torch.device, int], int] = {}
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
+        t = local_shard(t)
         storage = t.untyped_storage()
         seen[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())
@@ -80,7 +86,7 @@ class SavedTensorMeter:
         self._excluded: set[int] = set()
         for item in exclude:
             tensors = item.parameters() if isinstance(item, nn.Module) else item
-            self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+            self._excluded.update(local_shard(t).untyped_storage().data_ptr() for t in tensors)
         self._saved: dict[tuple[torch.device, int], int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
