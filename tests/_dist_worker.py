@@ -53,10 +53,10 @@ def build(kind: str, recipe: str, optimizer: str, device: torch.device, *, comm:
     return mp, forward
 
 
-def full_params(model: nn.Module) -> list[torch.Tensor]:
+def full_params(model: nn.Module | list[torch.Tensor]) -> list[torch.Tensor]:
     """Every parameter whole, fp32-exact, on the CPU (a DTensor is gathered)."""
     out = []
-    for p in model.parameters():
+    for p in (model.parameters() if isinstance(model, nn.Module) else model):
         p = p.detach()
         if hasattr(p, "full_tensor"):
             p = p.full_tensor()
@@ -98,7 +98,9 @@ def train(mp, forward, batches, rank: int, world: int, device, *, plants=None, s
         mp.zero_grad()
         records.append({"skipped": bool(result.skipped_t), "scale": float(result.scale_t),
                         "norm": float(result.grad_norm_t), "params": full_params(mp.model),
-                        "masters": masters(mp)})
+                        "masters": masters(mp),
+                        # What the optimizer updates, in model order: fp32 masters where there are any.
+                        "stepped": full_params([p for g in mp.optimizer.param_groups for p in g["params"]])})
     return records
 
 

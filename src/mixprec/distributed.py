@@ -80,8 +80,8 @@ class GradSync:
     ``GradSync.for_model(model, process_group)`` picks the kind: DTensor parameters (FSDP2) are
     sharded over their mesh; a DDP-wrapped model is replicated over its group; with
     ``process_group="auto"`` a plain model is replicated over the default group when
-    torch.distributed is initialized with more than one rank (the usual "build the engine, then wrap
-    in DDP" order), else local. ``process_group=None`` forces local.
+    torch.distributed is initialized (the usual "build the engine, then wrap in DDP" order), else
+    local. ``process_group=None`` forces local.
     """
 
     def __init__(self, kind: SyncKind, group: Any = None) -> None:
@@ -121,7 +121,8 @@ class GradSync:
             group = model.process_group if process_group == "auto" else process_group
             return cls(SyncKind.REPLICATED, group) if group is not None else cls(SyncKind.LOCAL)
         if process_group == "auto":
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # A group of one too: torchrun --nproc-per-node 1 runs the same code as N > 1.
+            if dist.is_available() and dist.is_initialized():
                 return cls(SyncKind.REPLICATED, dist.group.WORLD)
             return cls(SyncKind.LOCAL)
         return cls(SyncKind.LOCAL) if process_group is None else cls(SyncKind.REPLICATED, process_group)

@@ -99,7 +99,7 @@ class MixedPrecision:
 
     ``process_group`` says how the overflow flag and that norm are shared across ranks, so every
     rank skips, clips and updates its loss scale alike (mixprec.distributed): ``"auto"`` detects
-    FSDP2 (DTensor parameters), a DDP module, or an initialized default group of more than one rank;
+    FSDP2 (DTensor parameters), a DDP module, or an initialized default group;
     ``None`` keeps them local.
     """
 
