@@ -9,6 +9,8 @@ them to the other rank: only the engine's own reduction can make that rank skip.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -81,17 +83,35 @@ def plant(mp, value: float) -> None:
             return
 
 
-def train(mp, forward, batches, rank: int, world: int, device, *, plants=None, start: int = 0):
-    """Train on ``batches[start:]``; record after every step. ``plants``: {step: (rank, value)}."""
+def _no_sync(forward, first_of: bool):
+    """DDP's no_sync() / FSDP2's set_requires_gradient_sync(False) for all but the last micro-batch."""
+    if isinstance(forward, nn.parallel.DistributedDataParallel) and first_of:
+        return forward.no_sync()
+    if hasattr(forward, "set_requires_gradient_sync"):
+        forward.set_requires_gradient_sync(not first_of)
+    return contextlib.nullcontext()
+
+
+def train(mp, forward, batches, rank: int, world: int, device, *, plants=None, start: int = 0,
+          accum: int = 1):
+    """Train on ``batches[start:]``; record after every step. ``plants``: {step: (rank, value)}.
+
+    ``accum=K`` splits each rank's rows into K micro-batches (loss / K each); the reduction across
+    ranks runs only with the last one's backward, as users write gradient accumulation.
+    """
     plants = plants or {}
     rows = GLOBAL_BATCH // world
+    micro = rows // accum
     records = []
     for step in range(start, len(batches)):
         x, y = batches[step]
         x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
-        with mp.autocast():
-            loss = F.cross_entropy(forward(x), y)
-        mp.backward(loss)
+        for k in range(accum):
+            with _no_sync(forward, k < accum - 1):
+                with mp.autocast():
+                    loss = F.cross_entropy(forward(x[k * micro:(k + 1) * micro]),
+                                           y[k * micro:(k + 1) * micro]) / accum
+                mp.backward(loss)
         if step in plants and plants[step][0] == rank:
             plant(mp, plants[step][1])
         result = mp.step()
@@ -144,7 +164,8 @@ def worker(rank: int, world: int, out_dir: str, scenarios: list[dict], device_ty
         mp, forward = build(sc["kind"], sc["recipe"], sc["optimizer"], device, comm=sc.get("comm"),
                             local=sc.get("local", False))
         if "resume_at" not in sc:
-            results[sc["name"]] = train(mp, forward, batches, rank, world, device, plants=plants)
+            results[sc["name"]] = train(mp, forward, batches, rank, world, device, plants=plants,
+                                        accum=sc.get("accum", 1))
             continue
         # Resume: train to resume_at, save, train on (the uninterrupted run); then fresh objects,
         # load, train the rest: the two must agree bit for bit.

@@ -27,20 +27,22 @@ LOCKSTEP = [
     ("fsdp", "fp32", "sgd", None), ("fsdp", "fp16", "adamw-fused", None), ("fsdp", "bf16", "sgd", None),
     ("fsdp", "fp16-pure", "adamw-fused", None), ("fsdp", "bf16-pure", "sgd", None),
     ("fsdp", "bf16-pure", "sgd", "bf16"), ("fsdp", "fp32", "sgd", "fp16"),
+    # Gradient accumulation over 2 micro-batches, reduced across ranks only at the second.
+    ("ddp", "fp16", "sgd", None, 2), ("fsdp", "bf16-pure", "adamw-fused", None, 2),
 ]
 RESUME = [("ddp", "bf16-sr", "adamw-fused"), ("ddp", "fp16", "sgd"), ("fsdp", "fp16-pure", "adamw-fused"),
           ("fsdp", "bf16", "sgd")]
 
 
-def _name(kind, recipe, opt, comm=None):
-    return f"{kind}-{recipe}-{opt}" + (f"-comm-{comm}" if comm else "")
+def _name(kind, recipe, opt, comm=None, accum=1):
+    return f"{kind}-{recipe}-{opt}" + (f"-comm-{comm}" if comm else "") + (f"-accum{accum}" if accum > 1 else "")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     scenarios = [{"name": _name(*s), "kind": s[0], "recipe": s[1], "optimizer": s[2], "comm": s[3],
-                  "plants": PLANTS} for s in LOCKSTEP]
+                  "accum": s[4] if len(s) > 4 else 1, "plants": PLANTS} for s in LOCKSTEP]
     scenarios += [{"name": "resume-" + _name(*s), "kind": s[0], "recipe": s[1], "optimizer": s[2],
                    "plants": {1: (0, math.inf)}, "resume_at": 3} for s in RESUME]
     scenarios.append({"name": "errors", "kind": "errors"})
@@ -104,7 +106,7 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(ranks, case):
     (a norm summed twice over DDP's replicas, or missing a shard, is off by sqrt(2)), and (2) the
     weights lie no further from the 1-rank run than 2x the distance between that run and its fp32
     twin (the recipe's own rounding), plus 1e-6 for fp32 (~16 ulp at |w| ~ 1 after 6 steps)."""
-    kind, recipe, optimizer, comm = case
+    kind, recipe, optimizer, comm = case[:4]
     two, one = ranks[0][_name(*case)], _reference(recipe, optimizer)
     compute = "fp32" if recipe == "fp32" else recipe[:4]
     u = max(_U[compute], _U[comm or "fp32"])

@@ -2,6 +2,8 @@
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .devices import Support, supports
+from .dist_checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
+from .distributed import fsdp_policy, shard_model, wrap_ddp
 from .engine import MixedPrecision, StepResult
 from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
                       classify, get_format, quantize)
@@ -15,6 +17,7 @@ __all__ = [
     "Recipe", "RECIPES", "Precision", "Rounding", "LossScaleConfig", "get_recipe", "parse_recipe",
     "LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale",
     "save_checkpoint", "load_checkpoint", "CheckpointError",
+    "shard_model", "wrap_ddp", "fsdp_policy", "save_distributed_checkpoint", "load_distributed_checkpoint",
     "supports", "Support",
     "Format", "FORMATS", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2", "get_format",
     "quantize", "classify", "RangeCounts",
