@@ -147,7 +147,9 @@ def misuse_messages() -> dict[str, str]:
         model = shard_model(tiny_model(), "bf16-pure")
         mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16-pure")
 
-    return {"own_fully_shard": message(own_fully_shard), "pure_after_ddp": message(pure_after_ddp),
+    plain = tiny_model()
+    auto_kind = mixprec.MixedPrecision(plain, torch.optim.SGD(plain.parameters(), lr=0.1), "bf16").grad_sync.kind
+    return {"auto_plain_kind": auto_kind.value, "own_fully_shard": message(own_fully_shard), "pure_after_ddp": message(pure_after_ddp),
             "wrong_recipe": message(wrong_recipe)}
 
 

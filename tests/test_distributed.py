@@ -83,6 +83,8 @@ def test_without_the_shared_reduction_the_ranks_diverge(ranks):
 
 def test_misuse_under_a_process_group_names_the_fix(ranks):
     errors = ranks[0]["errors"]
+    # A plain model stays local under a live group (no collective a rank-0-only loop could hang in).
+    assert errors["auto_plain_kind"] == "local"
     assert "shard_model(model, 'bf16-pure'" in errors["own_fully_shard"]
     assert "build MixedPrecision on the plain model first" in errors["pure_after_ddp"]
     assert "it was sharded for 'params=bf16" in errors["wrong_recipe"]

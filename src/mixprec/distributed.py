@@ -78,10 +78,9 @@ class GradSync:
     """Combines each rank's sum of squared gradients into the global one: one all_reduce, no sync.
 
     ``GradSync.for_model(model, process_group)`` picks the kind: DTensor parameters (FSDP2) are
-    sharded over their mesh; a DDP-wrapped model is replicated over its group; with
-    ``process_group="auto"`` a plain model is replicated over the default group when
-    torch.distributed is initialized (the usual "build the engine, then wrap in DDP" order), else
-    local. ``process_group=None`` forces local.
+    sharded over their mesh; a DDP-wrapped model is replicated over its group; a plain model is
+    local until ``wrap_ddp(engine)`` makes it replicated (the "build the engine, then wrap in DDP"
+    order pure recipes need), or replicated over ``process_group`` when one is given.
     """
 
     def __init__(self, kind: SyncKind, group: Any = None) -> None:
@@ -120,12 +119,11 @@ class GradSync:
                                  "then wrap it with mixprec.distributed.wrap_ddp(mp)")
             group = model.process_group if process_group == "auto" else process_group
             return cls(SyncKind.REPLICATED, group) if group is not None else cls(SyncKind.LOCAL)
-        if process_group == "auto":
-            # A group of one too: torchrun --nproc-per-node 1 runs the same code as N > 1.
-            if dist.is_available() and dist.is_initialized():
-                return cls(SyncKind.REPLICATED, dist.group.WORLD)
+        # A plain model stays local under "auto", even with a process group up: a collective every
+        # step would hang a loop that runs on some ranks only. wrap_ddp switches the engine over.
+        if process_group in ("auto", None):
             return cls(SyncKind.LOCAL)
-        return cls(SyncKind.LOCAL) if process_group is None else cls(SyncKind.REPLICATED, process_group)
+        return cls(SyncKind.REPLICATED, process_group)
 
     def reduce_sum_squares(self, sq_f32: torch.Tensor) -> torch.Tensor:
         """Global sum of squares from this rank's ``sq_f32`` (a () fp32 tensor). One collective, no sync.
@@ -216,25 +214,29 @@ def shard_model(model: nn.Module, recipe: str | Recipe, *, mesh: Any = None,
     return model
 
 
-def wrap_ddp(engine: Any, *, comm_dtype: str | None = None, **ddp_kwargs: Any) -> nn.Module:
+def wrap_ddp(engine: Any, *, comm_dtype: str | None = None, process_group: Any = None,
+             **ddp_kwargs: Any) -> nn.Module:
     """Wrap ``engine.model`` (already prepared by MixedPrecision) in DDP; returns the DDP module.
 
     Build ``MixedPrecision`` on the plain model first (pure recipes cast the weights, which must happen
     before DDP registers its gradient hooks), then call this. DDP broadcasts rank 0's weights; the fp32
     master copies are broadcast here too, so every rank starts from the same masters. ``comm_dtype``
     ("bf16"/"fp16") registers torch's compression hook: the all-reduce runs in 16 bits, the result is
-    cast back into the gradients' own dtype. Forward through the returned module.
+    cast back into the gradients' own dtype. From here on the engine reduces its norm and overflow
+    flag over the same group (default: all ranks). Forward through the returned module.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if not dist.is_initialized():
         raise ValueError("wrap_ddp needs torch.distributed initialized: call dist.init_process_group(...) "
                          "first (torchrun sets the environment)")
-    if engine.grad_sync.kind is not SyncKind.REPLICATED:
-        raise ValueError(f"this engine reduces its gradient norm as {engine.grad_sync.kind.value!r}; build "
-                         "MixedPrecision with process_group='auto' (the default) or a group, then wrap")
+    if engine.grad_sync.kind is SyncKind.SHARDED or isinstance(engine.model, DDP):
+        raise ValueError("wrap_ddp takes an engine built on the plain model; this one's model is "
+                         f"{'sharded by FSDP2' if engine.grad_sync.fsdp else 'already wrapped in DDP'}")
     dtype = _comm_dtype(comm_dtype)
-    model = DDP(engine.model, process_group=engine.grad_sync.group, **ddp_kwargs)
+    group = process_group if process_group is not None else dist.group.WORLD
+    model = DDP(engine.model, process_group=group, **ddp_kwargs)
+    engine.grad_sync = GradSync(SyncKind.REPLICATED, group)
     if engine.master is not None and engine.master.keep:
         with torch.no_grad():
             for m in engine.master.masters:

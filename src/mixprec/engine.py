@@ -99,8 +99,8 @@ class MixedPrecision:
 
     ``process_group`` says how the overflow flag and that norm are shared across ranks, so every
     rank skips, clips and updates its loss scale alike (mixprec.distributed): ``"auto"`` detects
-    FSDP2 (DTensor parameters), a DDP module, or an initialized default group;
-    ``None`` keeps them local.
+    FSDP2 (DTensor parameters) and DDP modules, and ``wrap_ddp(engine)`` switches a plain model's
+    engine over; a group shares them over that group; ``None`` keeps them local.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: str | Recipe = "fp16",
