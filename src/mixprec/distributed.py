@@ -30,7 +30,8 @@ bf16-sr     not supported yet (ValueError)       use bf16-pure
 
 ``comm_dtype="bf16"`` or ``"fp16"`` halves gradient traffic: FSDP2 reduce-scatters in that dtype and
 accumulates the result into fp32 sharded gradients; DDP gets torch's bf16/fp16 compression hook (the
-bucket is cast down, all-reduced, cast back into the fp32 gradient, where accumulation happens).
+bucket is cast down, all-reduced, cast back into the gradients' own dtype, fp32 for every recipe but
+the pure ones, and accumulation happens there).
 
     >>> mesh = init_device_mesh("cpu", (world,))              # doctest: +SKIP
     >>> model = shard_model(model, "bf16-pure", mesh=mesh)     # doctest: +SKIP

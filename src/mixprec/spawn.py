@@ -47,6 +47,8 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: st
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # No rank tears its connections down while a peer may still be using them.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
