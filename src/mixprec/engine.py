@@ -52,12 +52,13 @@ def _global_norm_f32(grads: list[torch.Tensor], sync: GradSync | None = None) ->
     Across ranks (``sync``) each rank sums the squares of the part it holds (a DTensor's local shard)
     and one all_reduce combines them (mixprec.distributed), so every rank gets the same norm.
     """
-    grads = [local_shard(g) for g in grads]
-    if sync is None or sync.kind is SyncKind.LOCAL:
+    if sync is None or sync.kind is SyncKind.LOCAL:   # one process: exactly the norm it always was
         if grads[0].device.type != "cpu":
             return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
         flat = [g.reshape(-1).float() for g in grads]
         return torch.stack([torch.dot(g, g) for g in flat]).sum().sqrt()
+    if sync.fsdp:
+        grads = [local_shard(g) for g in grads]       # DTensor -> this rank's shard
     if grads[0].device.type != "cpu":
         sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
     else:

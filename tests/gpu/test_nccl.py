@@ -42,7 +42,11 @@ def test_one_rank_nccl_equals_the_plain_run(tmp_path):
         nccl = ranks[sc["name"]]
         assert [s["skipped"] for s in nccl] == [s["skipped"] for s in plain] == [False, False, True] + [False] * 3
         for a, b in zip(nccl, plain):
-            assert a["scale"] == b["scale"] and a["norm"] == b["norm"], sc["name"]
+            assert a["scale"] == b["scale"], sc["name"]
+            # On CUDA the group path squares each _foreach_norm result and sums, the plain path takes
+            # vector_norm of them: equal up to an ulp or two (on CPU both sum the same dots: bitwise).
+            # The norm stays below the clip (1.0), so the weights must still agree bit for bit.
+            assert a["norm"] == pytest.approx(b["norm"], rel=1e-6, nan_ok=True), sc["name"]
             expected = b["stepped"] if sc["kind"] == "fsdp" else b["params"]
             assert all(torch.equal(p, q) for p, q in zip(a["params"], expected)), sc["name"]
     resumed = ranks["resume"]
