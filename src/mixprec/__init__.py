@@ -11,6 +11,8 @@ from .diagnostics.nonfinite import NonfiniteOrigin, NonfiniteTracer
 from .diagnostics.tensor_cores import TensorCoreReport, trace_matmuls
 from .diagnostics.ranges import RangeCollector, RangesResult, update_lost
 from .diagnostics.scale_window import ScaleWindow, scale_window
+from .dist_checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
+from .distributed import fsdp_policy, shard_model, wrap_ddp
 from .formats import (BF16, FORMATS, FP8_E4M3, FP8_E5M2, FP16, FP32, TF32, Format, RangeCounts,
                       classify, get_format, quantize)
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
@@ -25,6 +27,7 @@ __all__ = [
     "Recipe", "RECIPES", "Precision", "Rounding", "LossScaleConfig", "get_recipe", "parse_recipe",
     "LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale",
     "save_checkpoint", "load_checkpoint", "CheckpointError",
+    "shard_model", "wrap_ddp", "fsdp_policy", "save_distributed_checkpoint", "load_distributed_checkpoint",
     "supports", "Support",
     "Format", "FORMATS", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2", "get_format",
     "quantize", "classify", "RangeCounts",

@@ -117,13 +117,15 @@ def low_precision_params(model: nn.Module, recipe: Recipe) -> list[nn.Parameter]
     return params
 
 
-def cast_model(model: nn.Module, recipe: Recipe,
-               device_type: str | None = None) -> list[torch.utils.hooks.RemovableHandle]:
+def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None, *,
+               cast_params: bool = True) -> list[torch.utils.hooks.RemovableHandle]:
     """Cast the model in place for ``recipe`` and install its casting hooks; returns the hook handles.
 
     Parameters keep their identity (``p.data`` is replaced), so references held elsewhere stay valid.
     ``device_type`` is the autocast device of the regions (default: that of the first parameter).
-    Raises ValueError if a ``modules`` pattern matches no module.
+    ``cast_params=False`` leaves the parameters alone (FSDP2 casts them as it gathers them) and casts
+    only the floating buffers and installs the hooks. Raises ValueError if a ``modules`` pattern
+    matches no module.
     """
     check_module_patterns(model, recipe)
     if device_type is None:
@@ -149,7 +151,7 @@ def cast_model(model: nn.Module, recipe: Recipe,
             if precisions[name] is Precision.FP32:
                 continue
             for p in module.parameters(recurse=False):
-                if id(p) in low:
+                if cast_params and id(p) in low:
                     p.data = p.data.to(dtype)
             for name, buf in module.named_buffers(recurse=False):
                 if buf.is_floating_point():

@@ -52,6 +52,11 @@ def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
         "rng": _rng_state() if rng else None,
         "extra": extra,
     }
+    return write_verified(path, state)
+
+
+def write_verified(path: str | os.PathLike, state: Any) -> Path:
+    """``torch.save(state)`` to ``path`` atomically, behind the magic, length and SHA-256 header."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
@@ -81,7 +86,7 @@ def load_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
     ``weights_only=False`` lets extras hold arbitrary Python objects: only for files you trust.
     """
     path = Path(path)
-    state = _read_verified(path, engine.device, weights_only)
+    state = read_verified(path, engine.device, weights_only)
     try:
         engine.model.load_state_dict(state["model"])
         engine.load_state_dict(state["mixprec"])
@@ -97,7 +102,8 @@ def load_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
     return state["extra"]
 
 
-def _read_verified(path: Path, device: torch.device, weights_only: bool) -> dict[str, Any]:
+def read_verified(path: Path, device: torch.device, weights_only: bool = True) -> Any:
+    """Check ``path``'s header and checksum, then ``torch.load`` it; CheckpointError if anything is off."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:

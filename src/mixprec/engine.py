@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .casting import cast_model, keeps_fp32, low_precision_params
 from .devices import supports
+from .distributed import GradSync, SyncKind, local_shard
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
@@ -56,17 +57,27 @@ class Fp8EmulationWarning(UserWarning):
 _CLIP_EPS = 1e-6
 
 
-def _global_norm_f32(grads: list[torch.Tensor]) -> torch.Tensor:
+def _global_norm_f32(grads: list[torch.Tensor], sync: GradSync | None = None) -> torch.Tensor:
     """Global L2 norm in fp32, one read of every gradient; inf or NaN iff some gradient is.
 
     On CUDA one multi-tensor ``_foreach_norm`` launch reads everything. On CPU a BLAS dot per tensor
     reads at memory speed, where ``_foreach_norm`` was measured 1.7x slower (benchmarks/RESULTS.md).
     A sum of squares overflows fp32 only for a norm above 1.8e19, which is treated as an overflow.
+    Across ranks (``sync``) each rank sums the squares of the part it holds (a DTensor's local shard)
+    and one all_reduce combines them (mixprec.distributed), so every rank gets the same norm.
     """
+    if sync is None or sync.kind is SyncKind.LOCAL:   # one process: exactly the norm it always was
+        if grads[0].device.type != "cpu":
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        flat = [g.reshape(-1).float() for g in grads]
+        return torch.stack([torch.dot(g, g) for g in flat]).sum().sqrt()
+    if sync.fsdp:
+        grads = [local_shard(g) for g in grads]       # DTensor -> this rank's shard
     if grads[0].device.type != "cpu":
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-    flat = [g.reshape(-1).float() for g in grads]
-    return torch.stack([torch.dot(g, g) for g in flat]).sum().sqrt()
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    else:
+        sq = torch.stack([torch.dot(g.reshape(-1).float(), g.reshape(-1).float()) for g in grads]).sum()
+    return sync.reduce_sum_squares(sq).sqrt()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +121,18 @@ class MixedPrecision:
     (inside ``backward()``) and, after a step whose gradients were not finite, ``last_overflow`` names
     the module and aten op where the first inf/NaN appeared (``diagnostics.nonfinite``). Off by
     default; off installs nothing and imports nothing.
+
+    ``process_group`` says how the overflow flag and that norm are shared across ranks, so every
+    rank skips, clips and updates its loss scale alike (mixprec.distributed): ``"auto"`` detects
+    FSDP2 (DTensor parameters) and DDP modules, and ``wrap_ddp(engine)`` switches a plain model's
+    engine over; a group shares them over that group; ``None`` keeps them local.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: str | Recipe = "fp16",
                  *, clip_grad_norm: float | None = None, seed: int = 0,
                  fp8_filter: Callable[[str, nn.Module], bool] | None = None,
-                 trace_nonfinite: bool = False) -> None:
+                 trace_nonfinite: bool = False,
+                 process_group: Any = "auto") -> None:
         self.recipe = get_recipe(recipe)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -148,8 +165,11 @@ class MixedPrecision:
         self.clip_grad_norm = clip_grad_norm
         in_optimizer = {id(p) for p in opt_params}
         low = [p for p in low_precision_params(model, self.recipe) if id(p) in in_optimizer]
+        # Across ranks: how the gradient norm is reduced (mixprec.distributed). Under FSDP2 the sharded
+        # fp32 parameters are the master copy and FSDP casts the gathered weights: no cast, no master.
+        self.grad_sync = GradSync.for_model(model, self.recipe, process_group)
         self.master: MasterWeights | None = None
-        if self.recipe.param.is_low:
+        if self.recipe.param.is_low and not self.grad_sync.fsdp:
             self.master = MasterWeights(low, optimizer, keep=self.recipe.master is not None,
                                         rounding=self.recipe.rounding, seed=seed)
         self.fp8_report: Fp8SwapReport | None = None
@@ -163,7 +183,8 @@ class MixedPrecision:
         elif fp8_filter is not None:
             raise ValueError(f"fp8_filter was given but recipe {self.recipe.label!r} has no fp8; use an fp8 "
                              "recipe (e.g. 'fp8') or drop fp8_filter")
-        self._hooks = cast_model(model, self.recipe, self.device.type)
+        self._hooks = cast_model(model, self.recipe, self.device.type,
+                                 cast_params=not self.grad_sync.fsdp)
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
@@ -231,7 +252,7 @@ class MixedPrecision:
         scale = self.loss_scale.value
         for observer in self._step_observers.values():
             observer.before_step(self)      # gradients as backward left them: still scaled by S
-        scaled_norm = _global_norm_f32(grads)
+        scaled_norm = _global_norm_f32(grads, self.grad_sync)   # the same on every rank
         found_inf = ~torch.isfinite(scaled_norm)
         # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
         grad_norm = scaled_norm / scale

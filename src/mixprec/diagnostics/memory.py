@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..distributed import local_shard
+
 __all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes", "storage_key"]
 
 
@@ -49,11 +51,15 @@ def storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once; meta: 0)."""
+    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once; meta: 0).
+
+    A DTensor (FSDP2) counts its local shard: the bytes this rank holds.
+    """
     seen: dict[tuple[torch.device, int], int] = {}
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
+        t = local_shard(t)
         seen[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
@@ -89,7 +95,7 @@ class SavedTensorMeter:
         self._excluded: set[tuple[torch.device, int]] = set()
         for item in exclude:
             tensors = item.parameters() if isinstance(item, nn.Module) else item
-            self._excluded.update(storage_key(t) for t in tensors)
+            self._excluded.update(storage_key(local_shard(t)) for t in tensors)
         self._saved: dict[tuple[torch.device, int], int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 

@@ -108,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--threads", type=int, default=None,
                          help="torch CPU threads (default: torch's own choice; 1 keeps the small built-in "
                               "workloads steady on a machine where other processes hold cores)")
+    compare.add_argument("--nproc", type=int, default=1, metavar="N",
+                         help="train each recipe on N processes (gloo on cpu, nccl with one GPU each), "
+                              "every global batch split between them (default: 1)")
+    compare.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+                         help="with --nproc > 1: DDP (replicated) or FSDP2 (sharded) (default: ddp)")
     compare.set_defaults(handler=_compare)
 
     report = commands.add_parser(
@@ -195,7 +200,8 @@ def _compare(args: argparse.Namespace) -> int:
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         plan = plan_compare(args.benchmark or args.workload, _recipe_words(args.recipes), steps=args.steps,
-                            device=args.device, seed=args.seed, eval_every=args.eval_every)
+                            device=args.device, seed=args.seed, eval_every=args.eval_every,
+                            nproc=args.nproc, parallel=args.parallel)
         if args.json is not None:
             _check_writable(args.json, "--json")
         if args.out is not None:

@@ -12,6 +12,7 @@ trains it::
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
 from collections.abc import Callable, Sequence
 
@@ -21,6 +22,7 @@ from .. import __version__
 from ..casting import check_module_patterns
 from ..devices import resolve_device, supports
 from ..recipe import RECIPES, Recipe, get_recipe
+from .multiproc import check_parallel, train_on_ranks
 from .report import CompareReport
 from .trainer import TrainProgress, check_steps, train
 from .workloads import Workload, get_workload
@@ -40,16 +42,22 @@ class ComparePlan:
     steps: int
     seed: int
     eval_every: int | None = None
+    nproc: int = 1                 # processes (ranks) per run; > 1 trains through `parallel`
+    parallel: str = "ddp"          # ddp | fsdp
+    workload_spec: str = ""        # what get_workload resolves in each rank's process
 
 
 def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recipe] = DEFAULT_RECIPES, *,
                  steps: int | None = None, device: str | torch.device | None = "auto",
-                 seed: int = 0, eval_every: int | None = None) -> ComparePlan:
+                 seed: int = 0, eval_every: int | None = None, nproc: int = 1,
+                 parallel: str = "ddp") -> ComparePlan:
     """Check everything a compare run needs before any training; ValueError/TypeError name the fix.
 
     ``steps=None`` takes the workload's default. ``eval_every=None`` evaluates every tenth of the run.
-    Recipes given twice run once.
+    Recipes given twice run once. ``nproc > 1`` trains each recipe on that many processes
+    (mixprec.lab.multiproc), splitting every global batch between them through DDP or FSDP2.
     """
+    workload_spec = workload if isinstance(workload, str) else ""
     if not isinstance(workload, Workload):
         workload = get_workload(workload)
     device = device if isinstance(device, torch.device) else resolve_device(device)
@@ -84,7 +92,9 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
             runnable = [n for n, r in RECIPES.items() if supports(r, device).ok]
             raise ValueError(f"recipe {recipe.label!r} cannot run on {device}: {support.reason} "
                              f"(recipes {device.type} can run: {', '.join(runnable)})")
-    return ComparePlan(workload, tuple(parsed.values()), device, steps, seed, eval_every)
+    check_parallel(workload, tuple(parsed.values()), device, nproc, parallel, workload_spec)
+    return ComparePlan(workload, tuple(parsed.values()), device, steps, seed, eval_every, nproc, parallel,
+                       workload_spec)
 
 
 def run_compare(plan: ComparePlan,
@@ -92,12 +102,19 @@ def run_compare(plan: ComparePlan,
     """Train ``plan``'s workload under each recipe in turn; ``on_progress(run_index, progress)``."""
     plan.workload.load_data()   # loaded (and cached) up front, so no run's wall_s includes it
     runs = []
-    for i, recipe in enumerate(plan.recipes):
+    if plan.nproc > 1:
+        runs = train_on_ranks(plan)
+        for i, run in enumerate(runs if on_progress is not None else ()):
+            # The ranks report nothing while they train: each bar jumps to its end when all are done.
+            on_progress(i, TrainProgress(0, plan.steps, math.nan, math.nan))
+            on_progress(i, TrainProgress(plan.steps, plan.steps, run.losses[-1], run.samples_per_s))
+    for i, recipe in enumerate(plan.recipes if plan.nproc == 1 else ()):
         callback = None if on_progress is None else (lambda p, i=i: on_progress(i, p))
         runs.append(train(plan.workload, recipe, steps=plan.steps, device=plan.device, seed=plan.seed,
                           on_progress=callback, eval_every=plan.eval_every))
     return CompareReport(
-        workload=plan.workload.name, metric=plan.workload.metric_name, device=str(plan.device),
+        workload=plan.workload.name, metric=plan.workload.metric_name,
+        device=str(plan.device) + (f" x{plan.nproc} ({plan.parallel})" if plan.nproc > 1 else ""),
         device_name=_device_name(plan.device), threads=torch.get_num_threads(),
         torch_version=torch.__version__, mixprec_version=__version__, steps=plan.steps,
         batch_size=plan.workload.batch_size, seed=plan.seed, runs=tuple(runs),

@@ -21,9 +21,11 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..diagnostics.memory import MemoryBreakdown, SavedTensorMeter, state_bytes
+from ..distributed import shard_model, wrap_ddp
 from ..engine import MixedPrecision
 from ..recipe import Recipe, get_recipe
 from .workloads import Workload
@@ -96,7 +98,8 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
 
 def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch.device | str = "cpu",
           seed: int = 0, on_progress: Callable[[TrainProgress], None] | None = None,
-          progress_every: int = 10, eval_every: int | None = None) -> RunResult:
+          progress_every: int = 10, eval_every: int | None = None,
+          parallel: str | None = None) -> RunResult:
     """Train ``workload`` under ``recipe`` for ``steps`` steps from seed-fixed weights; evaluate; report.
 
     ``eval_every=K`` also measures the test metric after every K steps (the clock pauses meanwhile);
@@ -104,6 +107,11 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
     hooks for activations, tensor sizes for the rest) and, on CUDA, the allocator's peak for the run.
     Raises ValueError if the recipe cannot run on ``device`` (MixedPrecision checks). Syncs with the
     host at the end, on every progress report and at each evaluation.
+
+    ``parallel="ddp"`` or ``"fsdp"`` (inside an initialized process group, one call per rank): every
+    rank trains its contiguous slice of each global batch (``batch_size / world`` rows) through DDP or
+    FSDP2; the losses reported are averaged over ranks (one all_reduce at the end) and samples/s
+    counts the global batch.
     """
     recipe = get_recipe(recipe)
     steps = check_steps(steps)
@@ -121,8 +129,13 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
         torch.manual_seed(seed)
         model = workload.build_model()   # on the CPU: the same initial weights whatever the device
     model.to(device)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if parallel else (1, 0)
+    rows = workload.batch_size // world                      # each rank's slice of the global batch
+    if parallel == "fsdp":
+        shard_model(model, recipe)                           # before the optimizer sees the parameters
     optimizer = workload.make_optimizer(model.parameters())
     mp = MixedPrecision(model, optimizer, recipe, seed=seed)
+    forward = wrap_ddp(mp) if parallel == "ddp" else model
 
     warmup = warmup_steps(steps)
     losses_t, scales_t, skipped_t = [], [], []
@@ -137,11 +150,11 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
         if step == warmup:
             _synchronize(device)
             t_timed = time.perf_counter()
-        idx = order[step]                                     # (B,)
+        idx = order[step][rank * rows:(rank + 1) * rows]     # (B / world,)
         with SavedTensorMeter(model, mp.master.masters if mp.master else []) if step == 0 \
                 else contextlib.nullcontext() as meter:
             with mp.autocast():
-                loss = workload.loss_fn(model(data.x_train[idx]), data.y_train[idx])
+                loss = workload.loss_fn(forward(data.x_train[idx]), data.y_train[idx])
             mp.backward(loss)
         result = mp.step()
         if step == 0:   # after the step: gradients, fp32 copies and optimizer state all exist now
@@ -171,7 +184,11 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
     eval_metrics.append(test_metric)
     if device.type == "cuda":
         memory = dataclasses.replace(memory, peak=torch.cuda.max_memory_allocated(device))
-    losses = tuple(torch.stack(losses_t).float().tolist())
+    losses_f32 = torch.stack(losses_t).float()
+    if world > 1:   # each rank saw its slice: the global batch's loss is the mean over ranks
+        dist.all_reduce(losses_f32)
+        losses_f32 /= world
+    losses = tuple(losses_f32.tolist())
     scales = tuple(torch.stack(scales_t).tolist())
     skipped_at = tuple(torch.nonzero(torch.stack(skipped_t)).flatten().tolist())
     tail = losses[-max(1, round(steps * _FINAL_LOSS_FRACTION)):]

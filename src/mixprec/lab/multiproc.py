@@ -1,0 +1,95 @@
+"""``mixprec compare --nproc N``: each recipe trained on N processes through DDP or FSDP2.
+
+For every recipe, N fresh processes form one group (gloo on the CPU, nccl with one GPU each) and run
+the same ``train`` as a single-process compare, with ``parallel="ddp"`` or ``"fsdp"``: every rank
+takes its slice of each global batch, so the global batch, the data order and the initial weights are
+those of the 1-process run, and the results differ from it only by rounding. Rank 0's ``RunResult``
+(losses averaged over ranks) comes back through a file::
+
+    plan = plan_compare("mlp", ["fp32", "bf16"], steps=200, device="cpu", nproc=2, parallel="fsdp")
+    report = run_compare(plan)
+
+The same thing under torchrun: any script that calls ``dist.init_process_group`` and then
+``train(workload, recipe, steps=..., parallel="ddp")`` on every rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..recipe import Recipe, Rounding
+from ..spawn import default_backend, run_processes
+from .trainer import RunResult, train
+from .workloads import Workload, get_workload
+
+if TYPE_CHECKING:
+    from .compare import ComparePlan
+
+__all__ = ["PARALLEL", "check_parallel", "train_on_ranks"]
+
+PARALLEL = ("ddp", "fsdp")
+# Generous: a rank stuck in a collective fails the compare instead of hanging it; real runs on the
+# built-in workloads take seconds to minutes.
+_TIMEOUT_S = 6 * 3600
+
+
+def check_parallel(workload: Workload, recipes: tuple[Recipe, ...], device: torch.device, nproc: object,
+                   parallel: str, spec: str) -> None:
+    """ValueError/TypeError naming the fix if ``nproc``/``parallel`` cannot run this compare."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int):
+        raise TypeError(f"nproc must be an integer, got {type(nproc).__name__}")
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    if parallel not in PARALLEL:
+        raise ValueError(f"unknown parallel mode {parallel!r}; valid values: {', '.join(PARALLEL)}")
+    if nproc == 1:
+        return
+    if workload.batch_size % nproc:
+        raise ValueError(f"{workload.name}'s batch of {workload.batch_size} does not split evenly over "
+                         f"{nproc} processes; use an --nproc that divides it")
+    if device.type == "cuda" and torch.cuda.device_count() < nproc:
+        raise ValueError(f"--nproc {nproc} on cuda needs {nproc} GPUs, {torch.cuda.device_count()} "
+                         "visible; use fewer processes or --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--nproc runs on cpu (gloo) or cuda (nccl), not {device.type}")
+    if parallel == "fsdp":
+        sr = [r.label for r in recipes if r.rounding is Rounding.STOCHASTIC]
+        if sr:
+            raise ValueError(f"recipe {sr[0]!r} is not supported under FSDP2 yet; use --parallel ddp, "
+                             "or bf16-pure")
+    if not spec:
+        raise ValueError("--nproc needs the workload by name (each process loads it again)")
+
+
+def train_on_ranks(plan: ComparePlan) -> list[RunResult]:
+    """Train ``plan``'s recipes one after another on ``plan.nproc`` processes; rank 0's results.
+
+    One group of processes serves every recipe (start-up and data loading are paid once); each
+    recipe still starts from the seed's weights and data order.
+    """
+    with tempfile.TemporaryDirectory(prefix="mixprec-ranks-") as tmp:
+        out = Path(tmp) / "runs.pkl"
+        run_processes(_rank_main, plan.nproc, (plan.workload_spec, [str(r) for r in plan.recipes],
+                                               plan.steps, plan.device.type, plan.seed, plan.eval_every,
+                                               plan.parallel, torch.get_num_threads(), str(out)),
+                      backend=default_backend(plan.device.type), timeout_s=_TIMEOUT_S)
+        with open(out, "rb") as f:
+            return pickle.load(f)   # written a moment ago by our own child process
+
+
+def _rank_main(rank: int, world: int, spec: str, recipes: list[str], steps: int, device_type: str,
+               seed: int, eval_every: int | None, parallel: str, threads: int, out: str) -> None:
+    # The parent's thread count, split between the ranks that now share its cores.
+    torch.set_num_threads(max(1, threads // world) if device_type == "cpu" else threads)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    workload = get_workload(spec)
+    results = [train(workload, recipe, steps=steps, device=device, seed=seed, eval_every=eval_every,
+                     parallel=parallel) for recipe in recipes]
+    if rank == 0:
+        with open(out, "wb") as f:
+            pickle.dump(results, f)
