@@ -1,7 +1,6 @@
 """``mixprec doctor`` end to end in a subprocess: the report (JSON, HTML, table) and every usage error."""
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path

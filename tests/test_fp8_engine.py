@@ -140,8 +140,8 @@ def test_state_dict_round_trips_the_scale_state(recipe):
 
 def test_layer_stats_count_underflow_and_saturation_exactly():
     layer = nn.Sequential(nn.Linear(16, 16, bias=False))
-    mp = MixedPrecision(layer, torch.optim.SGD(layer.parameters(), lr=0.0),
-                        "compute=bf16,fp8=delayed(history=2,pow2=true)")
+    MixedPrecision(layer, torch.optim.SGD(layer.parameters(), lr=0.0),   # swaps in the Fp8Linear
+                   "compute=bf16,fp8=delayed(history=2,pow2=true)")
     assert count_fp8_ranges(layer) == 1
     x1 = torch.ones(4, 16)                       # amax 1: first step uses its own amax -> scale 256
     layer(x1).sum().backward()
