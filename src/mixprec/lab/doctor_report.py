@@ -49,6 +49,7 @@ from ..diagnostics.range_stats import TensorStats
 from ..diagnostics.ranges import ModuleRanges, UpdateLoss
 from ..diagnostics.scale_window import ScaleWindow, below_floor, scale_window
 from ..formats import RangeCounts
+from .strict_json import decode_float, dumps
 
 __all__ = ["DOCTOR_SCHEMA_VERSION", "DoctorReport", "LayerRow", "layer_rows", "render_doctor_table",
            "render_findings", "pow2_text", "percent_text"]
@@ -99,7 +100,7 @@ class DoctorReport:
                             "stats": {k: _stats_json(s) for k, s in m.stats.items()},
                             "update_loss": dataclasses.asdict(m.update_loss) if m.update_loss else None,
                             "window": _window_json(self.module_window(m))} for m in self.modules]
-        return json.dumps(_encode(data), indent=indent, allow_nan=False)
+        return dumps(data, indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> DoctorReport:
@@ -115,37 +116,19 @@ class DoctorReport:
                              f"reads version {DOCTOR_SCHEMA_VERSION}")
         try:
             fields = {f.name: data[f.name] for f in dataclasses.fields(cls)}
-            fields["losses"] = tuple(_float(v) for v in fields["losses"])
-            fields["scales"] = tuple(_float(v) for v in fields["scales"])
-            fields["small_fraction"], fields["margin"] = _float(data["small_fraction"]), _float(data["margin"])
+            fields["losses"] = tuple(decode_float(v) for v in fields["losses"])
+            fields["scales"] = tuple(decode_float(v) for v in fields["scales"])
+            fields["small_fraction"] = decode_float(data["small_fraction"])
+            fields["margin"] = decode_float(data["margin"])
             fields["window"] = _window_from(data["window"])
             fields["modules"] = tuple(_module_from(m) for m in data["modules"])
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"doctor report does not match schema version {DOCTOR_SCHEMA_VERSION}: "
                              f"{type(e).__name__} {e}") from None
         return cls(**fields)
 
 
 # ----------------------------------------------------------------------------------- JSON helpers
-def _encode(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _encode(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_encode(v) for v in value]
-    return value
-
-
-def _float(value: Any) -> float:
-    special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-    if isinstance(value, str) and value in special:
-        return special[value]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"expected a number, got {value!r}")
-    return float(value)
-
-
 def _stats_json(s: TensorStats) -> dict[str, Any]:
     return {"count": s.count, "zeros": s.zeros, "nonfinite": s.nonfinite, "amax": s.amax,
             "exponents": [list(p) for p in s.exponents],
@@ -154,7 +137,7 @@ def _stats_json(s: TensorStats) -> dict[str, Any]:
 
 def _stats_from(d: dict[str, Any]) -> TensorStats:
     return TensorStats(count=int(d["count"]), zeros=int(d["zeros"]), nonfinite=int(d["nonfinite"]),
-                       amax=_float(d["amax"]), exponents=tuple((int(k), int(n)) for k, n in d["exponents"]),
+                       amax=decode_float(d["amax"]), exponents=tuple((int(k), int(n)) for k, n in d["exponents"]),
                        formats={name: RangeCounts(**c) for name, c in d["formats"].items()})
 
 
@@ -164,7 +147,7 @@ def _window_json(w: ScaleWindow) -> dict[str, Any]:
 
 
 def _window_from(d: dict[str, Any]) -> ScaleWindow:
-    return ScaleWindow(d["low"], d["high"], _float(d["amax"]), _float(d["below_floor_unscaled"]))
+    return ScaleWindow(d["low"], d["high"], decode_float(d["amax"]), decode_float(d["below_floor_unscaled"]))
 
 
 def _module_from(d: dict[str, Any]) -> ModuleRanges:

@@ -43,11 +43,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import math
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from rich import box
@@ -61,6 +58,7 @@ from ..engine import MixedPrecision
 from ..recipe import Recipe, get_recipe
 from .compare import DEFAULT_RECIPES
 from .report import format_bytes, short_names
+from .strict_json import dumps
 from .workloads import Workload, get_workload
 
 __all__ = ["InspectPlan", "InspectReport", "plan_inspect", "run_inspect", "render_memory_table",
@@ -115,17 +113,7 @@ class InspectReport:
                          "kernels": [dataclasses.asdict(k) for k in prof.kernels]}
                         for recipe, prof in self.kernels],
         }
-        return json.dumps(_strict(data), indent=indent, allow_nan=False)
-
-
-def _strict(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    return value
+        return dumps(data, indent=indent)
 
 
 def plan_inspect(workload: str | Workload = "mlp", recipes: Sequence[str | Recipe] = DEFAULT_RECIPES, *,

@@ -54,6 +54,7 @@ from rich.table import Table
 
 from ..diagnostics.memory import MemoryBreakdown
 from ..recipe import get_recipe
+from .strict_json import decode_float, dumps
 from .trainer import RunResult
 
 __all__ = ["SCHEMA_VERSION", "BASELINE", "CompareReport", "render_table", "render_notes", "short_names",
@@ -93,7 +94,7 @@ class CompareReport:
     def to_json(self, indent: int | None = 2) -> str:
         """The report as strict JSON text (schema in the module docstring)."""
         data = dataclasses.asdict(self)
-        return json.dumps(_encode(data), indent=indent, allow_nan=False)
+        return dumps(data, indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> CompareReport:
@@ -220,28 +221,6 @@ def _scale_text(r: RunResult) -> str:
 
 
 # ---------------------------------------------------------------------------------------- JSON
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def _encode(value: Any) -> Any:
-    """Non-finite floats as strings, tuples as lists: strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _encode(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_encode(v) for v in value]
-    return value
-
-
-def _float(value: Any) -> float:
-    if isinstance(value, str) and value in _NONFINITE:
-        return _NONFINITE[value]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number, got {value!r}")
-    return float(value)
-
-
 def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"expected an integer, got {value!r}")
@@ -257,7 +236,7 @@ def _str(value: Any) -> str:
 def _floats(value: Any) -> tuple[float, ...]:
     if not isinstance(value, list):
         raise ValueError(f"expected a list of numbers, got {type(value).__name__}")
-    return tuple(_float(v) for v in value)
+    return tuple(decode_float(v) for v in value)
 
 
 def _memory(value: Any) -> MemoryBreakdown:
@@ -288,9 +267,9 @@ _REPORT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "synthetic": _bool,
 }
 _RUN_FIELDS: dict[str, Callable[[Any], Any]] = {
-    "recipe": _str, "label": _str, "final_loss": _float, "test_metric": _float,
-    "samples_per_s": _float, "skipped_steps": _int, "final_scale": _float, "losses": _floats,
-    "scales": _floats, "skipped_at": _ints, "wall_s": _float, "eval_steps": _ints,
+    "recipe": _str, "label": _str, "final_loss": decode_float, "test_metric": decode_float,
+    "samples_per_s": decode_float, "skipped_steps": _int, "final_scale": decode_float, "losses": _floats,
+    "scales": _floats, "skipped_at": _ints, "wall_s": decode_float, "eval_steps": _ints,
     "eval_metrics": _floats, "memory": _memory,
 }
 assert set(_REPORT_FIELDS) | {"runs"} == {f.name for f in dataclasses.fields(CompareReport)}
