@@ -47,6 +47,19 @@ class ComparePlan:
     workload_spec: str = ""        # what get_workload resolves in each rank's process
 
 
+def unique_recipes(recipes: Sequence[str | Recipe] | str | Recipe, verb: str) -> dict[str, Recipe]:
+    """Parse recipe names/strings, dropping repeats (by their canonical string), in the order given."""
+    if isinstance(recipes, (str, Recipe)):
+        recipes = [recipes]
+    parsed: dict[str, Recipe] = {}
+    for spec in recipes:
+        recipe = get_recipe(spec)
+        parsed.setdefault(str(recipe), recipe)
+    if not parsed:
+        raise ValueError(f"no recipes to {verb}; name some, e.g. {','.join(DEFAULT_RECIPES)}")
+    return parsed
+
+
 def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recipe] = DEFAULT_RECIPES, *,
                  steps: int | None = None, device: str | torch.device | None = "auto",
                  seed: int = 0, eval_every: int | None = None, nproc: int = 1,
@@ -72,14 +85,7 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
         eval_every = max(1, steps // 10)
     elif isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise ValueError(f"eval-every must be a positive number of steps, got {eval_every!r}")
-    if isinstance(recipes, (str, Recipe)):
-        recipes = [recipes]
-    parsed: dict[str, Recipe] = {}
-    for spec in recipes:
-        recipe = get_recipe(spec)
-        parsed.setdefault(str(recipe), recipe)
-    if not parsed:
-        raise ValueError(f"no recipes to compare; name some, e.g. {','.join(DEFAULT_RECIPES)}")
+    parsed = unique_recipes(recipes, "compare")
     if any(r.modules for r in parsed.values()):
         # A module glob that matches nothing is a typo: catch it on the real model before training.
         with torch.random.fork_rng(devices=[]):

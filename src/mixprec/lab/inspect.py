@@ -55,8 +55,8 @@ from ..devices import resolve_device, supports
 from ..diagnostics.memory_report import MemoryReport, memory_report
 from ..diagnostics.tensor_cores import KernelProfile, TensorCoreReport, profile_kernels, trace_matmuls
 from ..engine import MixedPrecision
-from ..recipe import Recipe, get_recipe
-from .compare import DEFAULT_RECIPES
+from ..recipe import Recipe
+from .compare import DEFAULT_RECIPES, unique_recipes
 from .report import format_bytes, short_names
 from .strict_json import dumps
 from .workloads import Workload, get_workload
@@ -129,14 +129,7 @@ def plan_inspect(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
         batch_size = workload.batch_size
     elif isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch size must be a positive integer, got {batch_size!r}")
-    if isinstance(recipes, (str, Recipe)):
-        recipes = [recipes]
-    parsed: dict[str, Recipe] = {}
-    for spec in recipes:
-        recipe = get_recipe(spec)
-        parsed.setdefault(str(recipe), recipe)
-    if not parsed:
-        raise ValueError(f"no recipes to inspect; name some, e.g. {','.join(DEFAULT_RECIPES)}")
+    parsed = unique_recipes(recipes, "inspect")
     measure = not workload.synthetic or device.type == "cuda"
     return InspectPlan(workload, tuple(parsed.values()), device, batch_size, measure)
 
