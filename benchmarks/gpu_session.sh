@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Everything a GPU session owes, in three parts that each fit one 10-minute device call:
+#   benchmarks/gpu_session.sh tests   # every CUDA test (tests/gpu), nvidia-smi, versions
+#   benchmarks/gpu_session.sh kernels # step, fp8 linear, op lists, doctor and lockstep benchmarks
+#   benchmarks/gpu_session.sh lab     # compare and inspect on the GPU benchmarks (gpt2, resnet50)
+# Output goes to $OUT (the device tool's folder) or ./gpu-out; paste it into benchmarks/RESULTS.md with
+# the device and the date. Runs from the source tree (PYTHONPATH=src) with the python that holds a CUDA
+# torch (default: python3, as on the lent GPU machines, which have torch, rich, matplotlib, scikit-learn,
+# ml_dtypes and pytest but no network); set PY to use another.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+MIXPREC="$PY -m mixprec.lab.cli"
+run() {   # run NAME CMD...: tee the output to $OUT/NAME.txt and keep going when one fails
+    local name=$1; shift
+    echo "### $name: $*" | tee "$OUT/$name.txt"
+    "$@" 2>&1 | tee -a "$OUT/$name.txt"
+    echo "### $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
+}
+case "${1:-}" in
+  tests)
+    run env sh -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
+    run gpu-tests "$PY" -m pytest -q -rs tests/gpu ;;
+  kernels)
+    run bench-step "$PY" benchmarks/bench_step.py --device cuda
+    run bench-fp8 "$PY" benchmarks/bench_fp8.py --device cuda
+    run bench-oplists "$PY" benchmarks/bench_oplists.py --device cuda
+    run bench-doctor "$PY" benchmarks/bench_doctor.py --device cuda
+    run bench-dist "$PY" benchmarks/bench_dist.py --device cuda --nproc 1 ;;
+  lab)
+    run compare-gpt2 $MIXPREC compare --benchmark gpt2 --device cuda --recipes fp32,tf32,fp16,bf16,fp8 \
+        --steps 60 --json "$OUT/compare-gpt2.json"
+    run compare-resnet50 $MIXPREC compare --benchmark resnet50 --device cuda --recipes fp32,tf32,fp16,bf16 \
+        --steps 60 --json "$OUT/compare-resnet50.json"
+    run inspect-gpt2 $MIXPREC inspect --benchmark gpt2 --device cuda --json "$OUT/inspect-gpt2.json" ;;
+  *)
+    echo "usage: $0 tests|kernels|lab" >&2; exit 2 ;;
+esac
