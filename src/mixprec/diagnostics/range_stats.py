@@ -99,6 +99,42 @@ def _boundaries_cpu() -> tuple[torch.Tensor, dict[str, tuple[int, int, int, int,
     return torch.tensor(ordered, dtype=torch.int32), starts
 
 
+_CHUNK_SHIFT = 12                 # the lookup table is indexed by |x|'s bits >> 12: 2**19 entries
+_LOW_MASK = (1 << _CHUNK_SHIFT) - 1
+
+
+@functools.cache
+def _bin_tables_cpu() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tables behind :meth:`RangeHistogram.add`: one bin per element replaces bucketize + two counts.
+
+    The fp32 patterns 0 .. 2**31 are cut into regions at every binade start (``k << 23``) and at every
+    bucket end; all cuts are multiples of 4096, so ``lut[b >> 12]`` finds ``b``'s region with one
+    gather. Ends that are not multiples of 4096 are all of the form ``P + 1`` (``P`` a multiple of
+    4096: ``|x| > P`` is what "does not round to zero" means at a tie that goes to the even zero), so
+    ``P`` and ``P + 4096`` are cuts, and the bit ``t = (b & 4095) != 0`` splits that one-chunk region
+    into ``{P}`` and ``(P, P + 4096)``. An element's bin is ``2 * region + t``. Every bin lies inside
+    one binade and on one side of every end, so the counts per bin add up exactly to the exponent
+    histogram and to every format's buckets (its first member ``region_start + t`` tells which).
+
+    Returns ``lut`` (int32, ``2 * region`` per chunk), and per bin its fp32 exponent field and its
+    bucket index (as :func:`_boundaries_cpu` numbers them). Built once, on the CPU.
+    """
+    ends, _ = _boundaries_cpu()
+    cuts = {k << 23 for k in range(256)}
+    for end in ends.tolist():
+        if end & _LOW_MASK == 0:
+            cuts.add(end)
+        elif (end - 1) & _LOW_MASK == 0:
+            cuts.update((end - 1, end - 1 + (1 << _CHUNK_SHIFT)))
+        else:    # no format here has one; a new format would need a finer table
+            raise ValueError(f"bucket end {end:#x} is neither a multiple of 4096 nor one above one")
+    starts = torch.tensor(sorted(cuts), dtype=torch.int32)
+    chunks = torch.arange(1 << (31 - _CHUNK_SHIFT), dtype=torch.int32) << _CHUNK_SHIFT
+    lut = (torch.bucketize(chunks, starts, right=True) - 1).to(torch.int32) * 2
+    first = torch.stack([starts, starts + 1], dim=1).reshape(-1)     # bin 2r + t's smallest member
+    return lut, first >> 23, torch.bucketize(first, ends, right=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorStats:
     """What a :class:`RangeHistogram` saw, read back as plain numbers (goes into JSON as it is).
@@ -153,11 +189,10 @@ class RangeHistogram:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        cpu_ends, self._starts = _boundaries_cpu()
-        self._ends = cpu_ends.to(self.device)
-        self._buckets = torch.zeros(len(cpu_ends) + 1, dtype=torch.int64, device=self.device)
-        self._exponents = torch.zeros(256, dtype=torch.int64, device=self.device)   # by fp32 exponent field
-        self._amax_bits = torch.zeros((), dtype=torch.int32, device=self.device)
+        _, self._starts = _boundaries_cpu()
+        self._lut = _device_lut(self.device)
+        self._bins = torch.zeros(len(_bin_tables_cpu()[1]), dtype=torch.int64, device=self.device)
+        self._amax = torch.zeros((), dtype=torch.float32, device=self.device)
         self.tensors = 0   # how many tensors were added (a Python int: no sync)
 
     def add(self, x: torch.Tensor, scale: torch.Tensor | None = None,
@@ -169,20 +204,22 @@ class RangeHistogram:
         fp8 values are exact in fp32; float64 input is rounded to fp32 first. ``keep``, a () bool
         device tensor, counts ``x`` only where it is True (deciding on the device, without a sync).
         """
-        x_f32 = x.detach().to(torch.float32)
+        x = x.detach().reshape(-1)
         if scale is not None:
-            x_f32 = x_f32 * scale
+            mag = torch.mul(x.to(torch.float32), scale).abs_()
+        else:
+            mag = x.to(torch.float32).abs()    # a new fp32 tensor either way: ours to overwrite
         # |x| as an int32 that orders like the value; NaN patterns land above +inf's.
-        abs_bits = x_f32.reshape(-1).view(torch.int32) & _ABS_MASK
-        weight = None if keep is None else keep.to(torch.int64)
-        self._count(torch.bucketize(abs_bits, self._ends, right=True), self._buckets, weight)
-        # The exponent field (bits 23..30) is floor(log2|x|) + 127 for normals, 0 for zeros/subnormals.
-        self._count(abs_bits >> 23, self._exponents, weight)
-        if abs_bits.numel():
-            finite_max = torch.where(abs_bits < _INF_BITS, abs_bits, 0).amax()   # int order = value order
+        bits = mag.view(torch.int32)
+        index = self._lut.index_select(0, bits >> _CHUNK_SHIFT)   # 2 * region, see _bin_tables_cpu
+        low = bits & _LOW_MASK
+        index += low.add_(_LOW_MASK) >> _CHUNK_SHIFT             # + 1 where the low 12 bits are not all 0
+        self._count(index, self._bins, None if keep is None else keep.to(torch.int64))
+        if mag.numel():
+            finite_max = mag.nan_to_num_(nan=0.0, posinf=0.0).amax()   # the largest finite |x|
             if keep is not None:
-                finite_max = torch.where(keep, finite_max, 0)
-            torch.maximum(self._amax_bits, finite_max, out=self._amax_bits)
+                finite_max = torch.where(keep, finite_max, 0.0)
+            torch.maximum(self._amax, finite_max, out=self._amax)
         self.tensors += 1
 
     @staticmethod
@@ -195,9 +232,12 @@ class RangeHistogram:
 
     def result(self) -> TensorStats:
         """Everything counted so far as plain numbers. One host sync."""
-        buckets = self._buckets.tolist()
-        exponents = self._exponents.tolist()
-        amax = float(self._amax_bits.view(torch.float32))
+        _, bin_exponent, bin_bucket = _bin_tables_cpu()
+        bins = self._bins.cpu()
+        buckets = torch.zeros(len(_boundaries_cpu()[0]) + 1, dtype=torch.int64)
+        buckets = buckets.index_add_(0, bin_bucket, bins).tolist()
+        exponents = torch.zeros(256, dtype=torch.int64).index_add_(0, bin_exponent, bins).tolist()
+        amax = float(self._amax)
         total = sum(buckets)
         zeros = buckets[0]
         formats = {}
@@ -212,3 +252,13 @@ class RangeHistogram:
         pairs = tuple((field - 127, n) for field, n in enumerate(exponents[:255]) if n)
         return TensorStats(count=total, zeros=zeros, nonfinite=nonfinite, amax=amax, exponents=pairs,
                            formats=formats)
+
+
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _device_lut(device: torch.device) -> torch.Tensor:
+    """The 2 MiB region table of :func:`_bin_tables_cpu` on ``device``, copied there once."""
+    if device not in _LUTS:
+        _LUTS[device] = _bin_tables_cpu()[0].to(device)
+    return _LUTS[device]
