@@ -12,7 +12,7 @@ import mixprec
 from mixprec.diagnostics.range_stats import RANGE_FORMATS, RangeHistogram, TensorStats, format_thresholds
 from mixprec.diagnostics.ranges import RangeCollector, select_modules, update_lost
 from mixprec.diagnostics.scale_window import below_floor, scale_window
-from mixprec.formats import FP16, classify
+from mixprec.formats import FP16, TF32, classify, quantize
 
 from conftest import batches, tiny_model
 
@@ -121,6 +121,42 @@ def test_update_lost_agrees_with_numpy_fp16_rounding():
     reference = (w16.astype(np.float64) + u64).astype(np.float16) == w16
     reference &= u64 != 0
     assert torch.equal(update_lost(w, u, "fp16"), torch.from_numpy(reference))
+
+
+def _update_lost_by_ulp(w, u, fmt):
+    """A second derivation of update_lost: quantize, the ulp from the fp32 exponent, the denser binade
+    below a power of two as a special case, parity from the integer significand."""
+    w_q = quantize(w, fmt)
+    bits = w_q.view(torch.int32) & 0x7FFFFFFF
+    binade = ((bits >> 23) - 127).clamp(min=fmt.min_exponent)
+    ulp = torch.exp2((binade - fmt.mantissa_bits).double())
+    toward_zero = (bits != 0) & ((u > 0) != (w_q > 0))
+    denser_below = toward_zero & ((bits & 0x7FFFFF) == 0) & (binade > fmt.min_exponent)
+    half_gap = torch.where(denser_below, ulp / 4, ulp / 2)
+    even = torch.remainder(w_q.abs().double() / ulp, 2) == 0
+    size = u.abs().double()
+    vanishes = (size < half_gap) | ((size == half_gap) & even)
+    return vanishes & (u != 0) & torch.isfinite(u) & torch.isfinite(w_q)
+
+
+@pytest.mark.parametrize("fmt", [*RANGE_FORMATS, TF32], ids=lambda f: f.name)
+def test_update_lost_equals_the_ulp_derivation_at_every_edge(fmt):
+    # Weights at fmt's edges (zero, subnormals, min_normal, powers of two, max, inf, NaN, both signs,
+    # values that round) against updates of every power of two and one fp32 ulp either side: each
+    # half gap, quarter gap (below a power of two) and tie is hit exactly and missed by one ulp.
+    sub, norm = fmt.min_subnormal, fmt.min_normal
+    w = torch.tensor([0.0, sub, 2 * sub, 3 * sub, norm - sub, norm, norm * (1 + fmt.eps), 2 * norm,
+                      0.5, 1.0, 1.0 + fmt.eps, 1.5, 3.0, fmt.max / 2, fmt.max * (1 - fmt.eps / 2), fmt.max,
+                      1.0 + fmt.eps / 3, 0.1, math.inf, math.nan], dtype=torch.float64)
+    w = torch.cat([w, -w]).float()
+    powers = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    near = torch.cat([powers, torch.nextafter(powers, torch.tensor(0.0)), torch.nextafter(powers, torch.tensor(math.inf))])
+    u = torch.cat([near, -near, torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])])
+    W, U = torch.broadcast_tensors(w[:, None], u[None, :])
+    W, U = W.reshape(-1), U.reshape(-1)
+    lost = update_lost(W, U, fmt)
+    assert torch.equal(lost, _update_lost_by_ulp(W, U, fmt))
+    assert 0 < lost.sum() < lost.numel()
 
 
 # ------------------------------------------------------------------------------- scale window

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -51,39 +52,65 @@ KINDS = ("activations", "activation_grads", "weights", "weight_grads", "updates"
 UPDATE_FORMATS: tuple[Format, ...] = (FP16, BF16)
 
 
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
 def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """Where adding the nonzero update ``u`` to ``w`` held in ``fmt`` rounds back to the same weight.
 
     ``w`` is first rounded to ``fmt`` (as a low-precision model holds it): ``w_q``. Round to nearest
-    even puts ``w_q + u`` back on ``w_q`` exactly when ``|u|`` is below half the gap to the neighbour in
-    ``u``'s direction, or equal to it with ``w_q``'s significand even. The gap is one ulp
-    ``2**(max(floor(log2|w_q|), min_exponent) - mantissa_bits)``, halved when ``u`` points toward zero
-    from an exact power of two (the binade below is twice as dense). Every quantity is a power of two
-    or an fp32 compare, so the answer is exact: no fp32 sum ``w_q + u`` is ever rounded twice. Zero,
-    inf and NaN updates are never "lost"; nor is anything on an infinite ``w_q``. No host sync.
+    even puts ``w_q + u`` back on ``w_q`` exactly when ``|u|`` is below half the gap to ``w_q``'s
+    neighbour in ``u``'s direction, or equal to it with ``w_q``'s significand even. The neighbour is
+    found on ``w_q``'s bit pattern in ``fmt``'s own storage (magnitude plus or minus one step), so the
+    denser binade below a power of two, the subnormals and zero need no special cases; the gap is an
+    exact fp32 difference of two neighbours (a power of two), halved exactly. Past ``fmt.max`` the
+    neighbour is inf (NaN for e4m3fn): there the gap is the one below max, as rounding has it (max is
+    never a power of two). No fp32 sum ``w_q + u`` is ever rounded twice. Zero, inf and NaN updates
+    are never "lost"; nor is anything on a non-finite ``w_q``. No host sync.
 
         >>> w = torch.ones(4)
         >>> update_lost(w, torch.tensor([2**-12, 2**-11, 3 * 2**-12, -2**-12]), "fp16")
         tensor([ True,  True, False,  True])
     """
     fmt = get_format(fmt)
-    w_q = quantize(w, fmt)
-    u = u.to(torch.float32)
-    bits = w_q.view(torch.int32) & 0x7FFFFFFF
-    # floor(log2|w_q|) from the fp32 exponent field; zeros and subnormals (field 0) share the spacing
-    # of fmt's smallest normal binade, as do fmt's own subnormals.
-    binade = ((bits >> 23) - 127).clamp(min=fmt.min_exponent)
-    # ulp = 2**(binade - m) built from its bit pattern: 2**(e + 24) is an fp32 normal for every
-    # format here (e >= -133), and the multiply by 2**-24 is exact (bf16's 2**-133 is an fp32 subnormal).
-    ulp = (((binade - fmt.mantissa_bits + 127 + 24) << 23).view(torch.float32)) * 2.0**-24
-    toward_zero = (bits != 0) & ((u > 0) != (w_q > 0))
-    power_of_two = (bits & 0x7FFFFF) == 0          # significand 1.000...: the binade below is denser
-    denser_below = toward_zero & power_of_two & (binade > fmt.min_exponent)
-    half_gap = torch.where(denser_below, ulp * 0.25, ulp * 0.5)
-    even = torch.remainder(w_q.abs() / ulp, 2) == 0        # |w_q| / ulp is the integer significand
-    size = u.abs()
-    vanishes = (size < half_gap) | ((size == half_gap) & even)
-    return vanishes & (u != 0) & torch.isfinite(u) & torch.isfinite(w_q)
+    w32 = w.detach().to(torch.float32)       # as quantize: float64 weights are rounded to fp32 first
+    if fmt in (FP16, BF16):
+        # The hardware cast rounds to nearest even with subnormals and overflow to inf, as quantize
+        # does (tests/test_ranges.py checks update_lost against a quantize-based derivation).
+        stored, step = w32.to(fmt.torch_dtype), 1
+    elif fmt.torch_dtype is not None and fmt.torch_dtype.itemsize * 8 == fmt.bits:
+        # fp8: torch's e4m3fn cast saturates instead of giving NaN, so round with quantize; the cast
+        # of a value fmt holds exactly (or of NaN/inf) is then exact.
+        stored, step = quantize(w32, fmt).to(fmt.torch_dtype), 1
+    else:
+        # tf32: an fp32 container whose exponent range is fp32's, so fmt's neighbours, subnormals
+        # included, are 2**(23 - mantissa_bits) fp32 bit patterns apart.
+        stored, step = quantize(w32, fmt), 1 << (23 - fmt.mantissa_bits)
+    nbits = 8 * stored.element_size()
+    int_dtype = _INT_VIEW[stored.element_size()]
+    code = stored.view(int_dtype)
+    magnitude = code & ((1 << (nbits - 1)) - 1)                  # clear the sign bit
+    # Everything below is integer and in-place fp32 arithmetic: on the CPU, bool-valued float
+    # compares and fresh temporaries cost several times an integer pass.
+    u_bits = u.detach().to(torch.float32).view(torch.int32)
+    u_sign = u_bits if nbits == 32 else (u_bits >> (32 - nbits)).to(int_dtype)   # keeps u's sign bit
+    # -1 where u points toward zero from a nonzero w_q (signs differ), else 0: arithmetic shifts.
+    toward = ((u_sign ^ code) >> (nbits - 1)) & ((-magnitude) >> (nbits - 1))
+    neighbour = magnitude + step + toward * (2 * step)          # magnitude +- one step
+    w_abs = magnitude.view(stored.dtype).float()
+    half_gap = neighbour.view(stored.dtype).float().sub_(w_abs).abs_()   # exact: adjacent values
+    top_gap = 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits)   # the gap just below max
+    half_gap.nan_to_num_(nan=top_gap, posinf=top_gap).mul_(0.5)   # a power of two: halving is exact
+    # No update is lost on a non-finite w_q: the smallest non-finite code is one step above max's.
+    first_nonfinite = int(torch.tensor(fmt.max).to(stored.dtype).view(int_dtype)) + step
+    half_gap.masked_fill_(magnitude >= first_nonfinite, 0.0)
+    # Nonnegative floats order like their int32 patterns, so with odd = w_q's last significand bit,
+    # "lost" is 0 < |u| < half_gap, or |u| == half_gap with w_q even: 0 < |u|_bits < half_bits + 1 - odd.
+    # Subtracting 1 and clearing the sign bit sends |u| == 0 to the top: one compare does it all.
+    # NaN and inf |u| are above every finite half_gap: never lost.
+    size_bits = u.detach().to(torch.float32).abs().view(torch.int32).sub_(1).bitwise_and_(0x7FFFFFFF)
+    odd = (magnitude >> (step.bit_length() - 1)) & 1
+    return size_bits < half_gap.view(torch.int32).sub_(odd.to(torch.int32))   # same dtypes: a fast loop
 
 
 @dataclasses.dataclass(frozen=True)
