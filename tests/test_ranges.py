@@ -84,6 +84,15 @@ def test_scale_and_keep():
     assert c.result().count == 3
 
 
+def test_scale_applies_in_fp32_to_low_precision_input():
+    # fp16 gradients under a 2**16 loss scale: multiplied in fp16, 2**-10 * 2**-16 would flush to zero.
+    x = torch.tensor([2.0**-10, 3 * 2.0**-12, 1.0, -(2.0**-14)], dtype=torch.float16)
+    a, b = RangeHistogram("cpu"), RangeHistogram("cpu")
+    a.add(x, scale=torch.tensor(2.0**-16))
+    b.add(x.float() * 2.0**-16)
+    assert a.result() == b.result() and a.result().zeros == 0
+
+
 # --------------------------------------------------------------------------- update underflow
 def test_update_lost_on_fp16_worked_out_by_hand():
     # w = 1.0 in fp16: ulp above is 2**-10, below (the binade under a power of two) 2**-11.

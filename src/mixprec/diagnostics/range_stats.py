@@ -101,6 +101,7 @@ def _boundaries_cpu() -> tuple[torch.Tensor, dict[str, tuple[int, int, int, int,
 
 _CHUNK_SHIFT = 12                 # the lookup table is indexed by |x|'s bits >> 12: 2**19 entries
 _LOW_MASK = (1 << _CHUNK_SHIFT) - 1
+_PIECE = 1 << 19                  # elements per pass of RangeHistogram.add (stays in cache)
 
 
 @functools.cache
@@ -205,13 +206,20 @@ class RangeHistogram:
         device tensor, counts ``x`` only where it is True (deciding on the device, without a sync).
         """
         x = x.detach().reshape(-1)
-        # Three scratch buffers of x's length, reused across calls: fresh 4-byte-per-element tensors
-        # on every call cost the CPU more in page faults than the arithmetic itself.
+        weight = None if keep is None else keep.to(torch.int64)
+        # Piece by piece through three scratch buffers, reused across calls: fresh 4-byte-per-element
+        # temporaries cost the CPU more in page faults than the arithmetic, and pieces of 2**19
+        # elements keep the seven passes over each piece in cache.
+        for start in range(0, x.numel(), _PIECE):
+            self._add_piece(x[start:start + _PIECE], scale, keep, weight)
+        self.tensors += 1
+
+    def _add_piece(self, x: torch.Tensor, scale: torch.Tensor | None, keep: torch.Tensor | None,
+                   weight: torch.Tensor | None) -> None:
         mag, hi, index = _scratch(self.device, x.numel())
+        mag.copy_(x)                           # to fp32: exact for fp16/bf16/fp8, rounds float64
         if scale is not None:
-            torch.mul(x, scale, out=mag)       # fp32 result (scale is fp32); rounds float64 input
-        else:
-            mag.copy_(x)                       # to fp32: exact for fp16/bf16/fp8, rounds float64
+            mag.mul_(scale)                    # in fp32, after the conversion (fp16 would underflow)
         mag.abs_()
         # |x| as an int32 that orders like the value; NaN patterns land above +inf's.
         bits = mag.view(torch.int32)
@@ -220,13 +228,11 @@ class RangeHistogram:
         torch.bitwise_and(bits, _LOW_MASK, out=hi)
         hi.add_(_LOW_MASK).bitwise_right_shift_(_CHUNK_SHIFT)   # 1 where the low 12 bits are not all 0
         index += hi
-        self._count(index, self._bins, None if keep is None else keep.to(torch.int64))
-        if mag.numel():
-            finite_max = mag.nan_to_num_(nan=0.0, posinf=0.0).amax()   # the largest finite |x|
-            if keep is not None:
-                finite_max = torch.where(keep, finite_max, 0.0)
-            torch.maximum(self._amax, finite_max, out=self._amax)
-        self.tensors += 1
+        self._count(index, self._bins, weight)
+        finite_max = mag.nan_to_num_(nan=0.0, posinf=0.0).amax()   # the largest finite |x|
+        if keep is not None:
+            finite_max = torch.where(keep, finite_max, 0.0)
+        torch.maximum(self._amax, finite_max, out=self._amax)
 
     @staticmethod
     def _count(index: torch.Tensor, into: torch.Tensor, weight: torch.Tensor | None) -> None:
