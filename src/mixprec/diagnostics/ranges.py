@@ -72,8 +72,22 @@ def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Te
         >>> update_lost(w, torch.tensor([2**-12, 2**-11, 3 * 2**-12, -2**-12]), "fp16")
         tensor([ True,  True, False,  True])
     """
-    fmt = get_format(fmt)
-    w32 = w.detach().to(torch.float32)       # as quantize: float64 weights are rounded to fp32 first
+    return _lost(w.detach().to(torch.float32), *_update_bits(u), get_format(fmt))
+
+
+def _update_bits(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``u``'s fp32 bit pattern, and ``|u|``'s minus 1 with the sign bit cleared (0 goes to the top).
+
+    Nonnegative floats order like their int32 patterns: :func:`_lost` compares ``|u|`` there, and the
+    shift sends ``|u| == 0`` above everything, so one compare also leaves zero updates out.
+    """
+    u32 = u.detach().to(torch.float32)
+    return u32.view(torch.int32), u32.abs().view(torch.int32).sub_(1).bitwise_and_(0x7FFFFFFF)
+
+
+def _lost(w32: torch.Tensor, u_bits: torch.Tensor, size_bits: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """:func:`update_lost` on fp32 weights and the two patterns of :func:`_update_bits` (shared by
+    the formats, so the collector computes them once per update)."""
     if fmt in (FP16, BF16):
         # The hardware cast rounds to nearest even with subnormals and overflow to inf, as quantize
         # does (tests/test_ranges.py checks update_lost against a quantize-based derivation).
@@ -92,7 +106,6 @@ def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Te
     magnitude = code & ((1 << (nbits - 1)) - 1)                  # clear the sign bit
     # Everything below is integer and in-place fp32 arithmetic: on the CPU, bool-valued float
     # compares and fresh temporaries cost several times an integer pass.
-    u_bits = u.detach().to(torch.float32).view(torch.int32)
     u_sign = u_bits if nbits == 32 else (u_bits >> (32 - nbits)).to(int_dtype)   # keeps u's sign bit
     # -1 where u points toward zero from a nonzero w_q (signs differ), else 0: arithmetic shifts.
     toward = ((u_sign ^ code) >> (nbits - 1)) & ((-magnitude) >> (nbits - 1))
@@ -104,11 +117,9 @@ def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Te
     # No update is lost on a non-finite w_q: the smallest non-finite code is one step above max's.
     first_nonfinite = int(torch.tensor(fmt.max).to(stored.dtype).view(int_dtype)) + step
     half_gap.masked_fill_(magnitude >= first_nonfinite, 0.0)
-    # Nonnegative floats order like their int32 patterns, so with odd = w_q's last significand bit,
-    # "lost" is 0 < |u| < half_gap, or |u| == half_gap with w_q even: 0 < |u|_bits < half_bits + 1 - odd.
-    # Subtracting 1 and clearing the sign bit sends |u| == 0 to the top: one compare does it all.
-    # NaN and inf |u| are above every finite half_gap: never lost.
-    size_bits = u.detach().to(torch.float32).abs().view(torch.int32).sub_(1).bitwise_and_(0x7FFFFFFF)
+    # With odd = w_q's last significand bit, "lost" is 0 < |u| < half_gap, or |u| == half_gap with
+    # w_q even: 0 < |u|_bits < half_bits + 1 - odd, i.e. size_bits (= |u|_bits - 1, zero at the top)
+    # < half_bits - odd: one compare. NaN and inf |u| are above every finite half_gap: never lost.
     odd = (magnitude >> (step.bit_length() - 1)) & 1
     return size_bits < half_gap.view(torch.int32).sub_(odd.to(torch.int32))   # same dtypes: a fast loop
 
@@ -225,7 +236,7 @@ class RangeCollector:
             if own:
                 self._params[name] = own
         self._hist: dict[tuple[str, str], RangeHistogram] = {}
-        self._lost: dict[str, torch.Tensor] = {}   # per module: [updates, zeros, lost per format]
+        self._lost: dict[str, torch.Tensor] = {}   # per module: lost updates per format
         self._before: list[torch.Tensor] = []
         self._collecting = False
         self.steps = 0
@@ -297,14 +308,12 @@ class RangeCollector:
         for name, params in self._params.items():
             counts = []
             for _, opt in params:
-                w_before = next(before)
-                update = opt.detach().float() - w_before.float()   # the step's change, in fp32
+                w_before = next(before).float()
+                update = opt.detach().float() - w_before   # the step's change, in fp32
                 self._histogram(name, "updates").add(update, keep=keep)
-                counts.append(torch.stack([
-                    torch.full((), update.numel(), device=update.device),   # a fill: no copy, no sync
-                    torch.count_nonzero(update == 0),
-                    *(torch.count_nonzero(update_lost(w_before, update, f)) for f in UPDATE_FORMATS)]))
-            step_counts = torch.stack(counts).sum(0) * keep.to(torch.int64)
+                bits = _update_bits(update)
+                counts += [torch.count_nonzero(_lost(w_before, *bits, f)) for f in UPDATE_FORMATS]
+            step_counts = torch.stack(counts).view(-1, len(UPDATE_FORMATS)).sum(0) * keep.to(torch.int64)
             self._lost[name] = self._lost[name] + step_counts if name in self._lost else step_counts
         self._before = []
 
@@ -315,9 +324,10 @@ class RangeCollector:
         for name, module in self._modules.items():
             stats = {kind: self._hist[(name, kind)].result() for kind in KINDS if (name, kind) in self._hist}
             loss = None
-            if name in self._lost:
-                updates, zeros, *lost = self._lost[name].tolist()
-                loss = UpdateLoss(updates, zeros, {f.name: n for f, n in zip(UPDATE_FORMATS, lost)})
+            if name in self._lost:   # update count and zeros: the "updates" counter has them exactly
+                lost = self._lost[name].tolist()
+                loss = UpdateLoss(stats["updates"].count, stats["updates"].zeros,
+                                  {f.name: n for f, n in zip(UPDATE_FORMATS, lost)})
             if stats:
                 modules.append(ModuleRanges(name, type(module).__name__, stats, loss))
         return RangesResult(tuple(modules), self.steps)
