@@ -93,6 +93,29 @@ def test_scale_applies_in_fp32_to_low_precision_input():
     assert a.result() == b.result() and a.result().zeros == 0
 
 
+@pytest.mark.parametrize("piece", [1000, 1 << 19])
+def test_segments_count_as_separate_adds(monkeypatch, piece):
+    # Pieces of 1000 values make segments start, end and span pieces (and the empty one in between).
+    import mixprec.diagnostics.range_stats as range_stats
+    monkeypatch.setattr(range_stats, "_PIECE", piece)
+    fmt = RANGE_FORMATS[0]
+    edges = torch.tensor([b + d for b in format_thresholds(fmt) for d in (-1, 0, 1)], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    sizes = [5, 0, 1, 999, 2500, 3, 4000]
+    flat = torch.randn(sum(sizes), generator=g) * torch.exp2(torch.randint(-40, 20, (sum(sizes),), generator=g).float())
+    flat[:9] = edges.view(torch.float32)
+    flat[1000:1003] = torch.tensor([math.inf, math.nan, -0.0])
+    for scale, keep in [(None, None), (torch.tensor(2.0**-10), torch.tensor(True)), (None, torch.tensor(False))]:
+        together = [RangeHistogram("cpu") for _ in sizes]
+        RangeHistogram.add_segments(together, flat, sizes, scale, keep)
+        for h, seg in zip(together, flat.split(sizes)):
+            alone = RangeHistogram("cpu")
+            alone.add(seg, scale, keep)
+            assert h.result() == alone.result()
+    with pytest.raises(ValueError, match="one size per histogram"):
+        RangeHistogram.add_segments(together, flat, sizes[:-1])
+
+
 # --------------------------------------------------------------------------- update underflow
 def test_update_lost_on_fp16_worked_out_by_hand():
     # w = 1.0 in fp16: ulp above is 2**-10, below (the binade under a power of two) 2**-11.

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -207,40 +209,80 @@ class RangeHistogram:
         """
         x = x.detach().reshape(-1)
         weight = None if keep is None else keep.to(torch.int64)
+        # Pieces of 2**19 values: see add_segments.
+        for start in range(0, x.numel(), _PIECE):
+            mag, index = _bin_index(self._lut, x[start:start + _PIECE], scale)
+            counts = _bincount(index, len(self._bins))
+            self._bins += counts if weight is None else counts * weight
+            finite_max = mag.nan_to_num_(nan=0.0, posinf=0.0).amax()   # the largest *finite* |x|
+            if keep is not None:
+                finite_max = torch.where(keep, finite_max, 0.0)
+            torch.maximum(self._amax, finite_max, out=self._amax)
+        self.tensors += 1
+
+    @staticmethod
+    def add_segments(hists: Sequence[RangeHistogram], flat: torch.Tensor, sizes: Sequence[int],
+                     scale: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> None:
+        """Count consecutive segments of one tensor: the first ``sizes[0]`` values into ``hists[0]``, ... No sync.
+
+        The same numbers as ``hists[i].add(segment_i, scale, keep)`` for each ``i``, for a fixed number
+        of kernels per 2**19 values plus two per histogram, however small the segments: the collector
+        counts all weights (gradients, updates) of a step with one call.
+
+            >>> a, b = RangeHistogram("cpu"), RangeHistogram("cpu")
+            >>> RangeHistogram.add_segments([a, b], torch.tensor([0.0, 1.0, 2.0**-30]), [2, 1])
+            >>> a.result().zeros, b.result().formats["fp16"].flush
+            (1, 1)
+        """
+        flat = flat.detach().reshape(-1)
+        if len(hists) != len(sizes) or sum(sizes) != flat.numel():
+            raise ValueError(f"add_segments needs one size per histogram summing to the tensor's "
+                             f"{flat.numel()} values; got {len(sizes)} sizes summing to {sum(sizes)} "
+                             f"for {len(hists)} histograms")
+        for h in hists:
+            h.tensors += 1
+        live = [(h, n) for h, n in zip(hists, sizes) if n]   # empty segments count nothing
+        if not live:
+            return
+        hists, sizes = [h for h, _ in live], [n for _, n in live]
+        n_bins, device = len(hists[0]._bins), hists[0].device
+        if len(hists) == 1:     # straight into the histogram
+            bins, amax = hists[0]._bins, hists[0]._amax.view(1)
+        else:                   # one row per histogram, handed out at the end
+            bins = torch.zeros(len(hists) * n_bins, dtype=torch.int64, device=device)
+            amax = torch.zeros(len(hists), dtype=torch.float32, device=device)
+        weight = None if keep is None else keep.to(torch.int64)
+        ends = list(itertools.accumulate(sizes))
+        first = 0
         # Piece by piece through three scratch buffers, reused across calls: fresh 4-byte-per-element
         # temporaries cost the CPU more in page faults than the arithmetic, and pieces of 2**19
         # elements keep the seven passes over each piece in cache.
-        for start in range(0, x.numel(), _PIECE):
-            self._add_piece(x[start:start + _PIECE], scale, keep, weight)
-        self.tensors += 1
-
-    def _add_piece(self, x: torch.Tensor, scale: torch.Tensor | None, keep: torch.Tensor | None,
-                   weight: torch.Tensor | None) -> None:
-        mag, hi, index = _scratch(self.device, x.numel())
-        mag.copy_(x)                           # to fp32: exact for fp16/bf16/fp8, rounds float64
-        if scale is not None:
-            mag.mul_(scale)                    # in fp32, after the conversion (fp16 would underflow)
-        mag.abs_()
-        # |x| as an int32 that orders like the value; NaN patterns land above +inf's.
-        bits = mag.view(torch.int32)
-        torch.bitwise_right_shift(bits, _CHUNK_SHIFT, out=hi)
-        torch.index_select(self._lut, 0, hi, out=index)   # 2 * region, see _bin_tables_cpu
-        torch.bitwise_and(bits, _LOW_MASK, out=hi)
-        hi.add_(_LOW_MASK).bitwise_right_shift_(_CHUNK_SHIFT)   # 1 where the low 12 bits are not all 0
-        index += hi
-        self._count(index, self._bins, weight)
-        finite_max = mag.nan_to_num_(nan=0.0, posinf=0.0).amax()   # the largest finite |x|
-        if keep is not None:
-            finite_max = torch.where(keep, finite_max, 0.0)
-        torch.maximum(self._amax, finite_max, out=self._amax)
-
-    @staticmethod
-    def _count(index: torch.Tensor, into: torch.Tensor, weight: torch.Tensor | None) -> None:
-        if index.device.type == "cpu":
-            counts = torch.bincount(index, minlength=len(into))   # bincount syncs on CUDA (sizes output)
-        else:
-            counts = torch.zeros_like(into).index_add_(0, index.long(), torch.ones_like(index, dtype=torch.int64))
-        into += counts if weight is None else counts * weight
+        for start in range(0, flat.numel(), _PIECE):
+            stop = min(start + _PIECE, flat.numel())
+            while ends[first] <= start:          # the first segment in the piece
+                first += 1
+            last = first
+            while ends[last] < stop:             # the last one
+                last += 1
+            runs = tuple(min(ends[i], stop) - max(ends[i - 1] if i else 0, start)
+                         for i in range(first, last + 1))
+            mag, index = _bin_index(hists[0]._lut, flat[start:stop], scale)
+            if len(runs) > 1:
+                index += _run_offsets(runs, n_bins, device)   # segment i's bins come i * n_bins later
+            counts = _bincount(index, len(runs) * n_bins)
+            bins[first * n_bins:(last + 1) * n_bins] += counts if weight is None else counts * weight
+            mag.nan_to_num_(nan=0.0, posinf=0.0)                # the largest *finite* |x| per segment
+            if len(runs) == 1:
+                finite_max = mag.amax().view(1)
+            else:
+                finite_max = torch.stack(torch._foreach_max(mag.split(runs)))
+            if keep is not None:
+                finite_max = torch.where(keep, finite_max, 0.0)
+            torch.maximum(amax[first:last + 1], finite_max, out=amax[first:last + 1])
+        if len(hists) > 1:
+            for i, h in enumerate(hists):
+                h._bins += bins[i * n_bins:(i + 1) * n_bins]
+                torch.maximum(h._amax, amax[i], out=h._amax)
 
     def result(self) -> TensorStats:
         """Everything counted so far as plain numbers. One host sync."""
@@ -264,6 +306,46 @@ class RangeHistogram:
         pairs = tuple((field - 127, n) for field, n in enumerate(exponents[:255]) if n)
         return TensorStats(count=total, zeros=zeros, nonfinite=nonfinite, amax=amax, exponents=pairs,
                            formats=formats)
+
+
+def _bin_index(lut: torch.Tensor, x: torch.Tensor,
+               scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``|x * scale|`` in fp32 and each value's bin (see :func:`_bin_tables_cpu`), in scratch buffers."""
+    mag, hi, index = _scratch(lut.device, x.numel())
+    mag.copy_(x)                           # to fp32: exact for fp16/bf16/fp8, rounds float64
+    if scale is not None:
+        mag.mul_(scale)                    # in fp32, after the conversion (fp16 would underflow)
+    mag.abs_()
+    # |x| as an int32 that orders like the value; NaN patterns land above +inf's.
+    bits = mag.view(torch.int32)
+    torch.bitwise_right_shift(bits, _CHUNK_SHIFT, out=hi)
+    torch.index_select(lut, 0, hi, out=index)               # 2 * region
+    torch.bitwise_and(bits, _LOW_MASK, out=hi)
+    hi.add_(_LOW_MASK).bitwise_right_shift_(_CHUNK_SHIFT)   # 1 where the low 12 bits are not all 0
+    index += hi
+    return mag, index
+
+
+def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0 .. n-1 occurs in ``index`` (int64). No sync on CUDA, where bincount would."""
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=n)
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(
+        0, index.long(), torch.ones_like(index, dtype=torch.int64))
+
+
+_OFFSETS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _run_offsets(runs: tuple[int, ...], n_bins: int, device: torch.device) -> torch.Tensor:
+    """int32 ``i * n_bins`` repeated ``runs[i]`` times; cached (a model's layout repeats every step)."""
+    key = (device, runs)
+    if key not in _OFFSETS:
+        if len(_OFFSETS) > 256:
+            _OFFSETS.clear()
+        starts = torch.arange(len(runs), dtype=torch.int32) * n_bins
+        _OFFSETS[key] = starts.repeat_interleave(torch.tensor(runs)).to(device)
+    return _OFFSETS[key]
 
 
 _LUTS: dict[torch.device, torch.Tensor] = {}
