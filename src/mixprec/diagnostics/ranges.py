@@ -237,7 +237,7 @@ class RangeCollector:
                 self._params[name] = own
         self._hist: dict[tuple[str, str], RangeHistogram] = {}
         self._lost: dict[str, torch.Tensor] = {}   # per module: lost updates per format
-        self._before: list[torch.Tensor] = []
+        self._before: torch.Tensor | None = None
         self._collecting = False
         self.steps = 0
 
@@ -289,33 +289,45 @@ class RangeCollector:
 
     # --------------------------------------------------------- engine step observer protocol
     def before_step(self, engine: Any) -> None:
-        """Count weights and weight gradients; remember the weights to measure the update. No sync."""
-        inverse = self._inverse_scale()
-        before = []
-        for name, params in self._params.items():
-            for p, opt in params:
-                if p.grad is not None:
-                    self._histogram(name, "weight_grads").add(p.grad, inverse)
-                self._histogram(name, "weights").add(opt)
-                before.append(opt.detach().clone())
-        self._before = before
+        """Count weights and weight gradients; remember the weights to measure the update. No sync.
+
+        All modules at once: the weights are concatenated into one fp32 copy (the copy the update is
+        measured against) and counted with one :meth:`RangeHistogram.add_segments`; the gradients too.
+        """
+        names = list(self._params)
+        weights = [opt.detach().reshape(-1) for n in names for _, opt in self._params[n]]
+        self._before = torch.cat(weights).float()    # a new tensor: cat copies (fp16 weights: converted)
+        sizes = [sum(opt.numel() for _, opt in self._params[n]) for n in names]
+        RangeHistogram.add_segments([self._histogram(n, "weights") for n in names], self._before, sizes)
+        grads, grad_sizes, grad_names = [], [], []
+        for n in names:
+            own = [p.grad.detach().reshape(-1) for p, _ in self._params[n] if p.grad is not None]
+            if own:
+                grads += own
+                grad_sizes.append(sum(g.numel() for g in own))
+                grad_names.append(n)
+        if grads:
+            RangeHistogram.add_segments([self._histogram(n, "weight_grads") for n in grad_names],
+                                        torch.cat(grads), grad_sizes, self._inverse_scale())
 
     @torch.no_grad()
     def after_step(self, engine: Any, found_inf: torch.Tensor) -> None:
         """Count the updates and those that fp16/bf16 weights would lose; skipped steps count 0. No sync."""
         keep = ~found_inf
-        before = iter(self._before)
-        for name, params in self._params.items():
-            counts = []
-            for _, opt in params:
-                w_before = next(before).float()
-                update = opt.detach().float() - w_before   # the step's change, in fp32
-                self._histogram(name, "updates").add(update, keep=keep)
-                bits = _update_bits(update)
-                counts += [torch.count_nonzero(_lost(w_before, *bits, f)) for f in UPDATE_FORMATS]
-            step_counts = torch.stack(counts).view(-1, len(UPDATE_FORMATS)).sum(0) * keep.to(torch.int64)
-            self._lost[name] = self._lost[name] + step_counts if name in self._lost else step_counts
-        self._before = []
+        names = list(self._params)
+        sizes = [sum(opt.numel() for _, opt in self._params[n]) for n in names]
+        w_before = self._before
+        update = torch.cat([opt.detach().reshape(-1) for n in names for _, opt in self._params[n]]).float()
+        update -= w_before                              # the step's change, in fp32
+        RangeHistogram.add_segments([self._histogram(n, "updates") for n in names], update, sizes, keep=keep)
+        lost = []
+        for u, w in zip(update.split(sizes), w_before.split(sizes)):
+            bits = _update_bits(u)
+            lost += [torch.count_nonzero(_lost(w, *bits, f)) for f in UPDATE_FORMATS]
+        step_counts = torch.stack(lost).view(len(names), len(UPDATE_FORMATS)) * keep.to(torch.int64)
+        for n, counts in zip(names, step_counts):
+            self._lost[n] = self._lost[n] + counts if n in self._lost else counts
+        self._before = None
 
     # ------------------------------------------------------------------------------ result
     def result(self) -> RangesResult:
