@@ -294,3 +294,27 @@ def test_tied_weights_are_counted_once():
         mp.step()
     r = collector.result()
     assert r.module("0").stats["weights"].count == 40 and "weights" not in r.module("1").stats
+
+
+@pytest.mark.parametrize("group", [1 << 19, 20])
+def test_lost_updates_per_module_equal_update_lost(monkeypatch, group):
+    # Groups of 20 values split the model's modules into several passes (and its biases into their own).
+    import mixprec.diagnostics.ranges as ranges
+    monkeypatch.setattr(ranges, "_LOST_GROUP", group)
+    model = tiny_model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=3e-4), "fp32")
+    collector = RangeCollector(mp)
+    before = {n: [p.detach().clone() for p in model.get_submodule(n).parameters()] for n in ("0", "1", "3")}
+    x, y = batches(1)[0]
+    with collector.collecting():
+        mp.backward(F.cross_entropy(model(x), y))
+        mp.step()
+    r = collector.result()
+    for name, ws in before.items():
+        params = list(model.get_submodule(name).parameters())
+        for fmt in ("fp16", "bf16"):
+            expected = sum(int(update_lost(w, p.detach() - w, fmt).sum()) for w, p in zip(ws, params))
+            assert r.module(name).update_loss.lost[fmt] == expected
+        assert r.module(name).update_loss.updates == sum(p.numel() for p in params)
+    lost = r.module("0").update_loss.lost
+    assert 0 < lost["fp16"] < lost["bf16"]            # bf16 keeps 3 fewer bits: loses more

@@ -50,6 +50,7 @@ __all__ = ["KINDS", "UPDATE_FORMATS", "ModuleRanges", "RangeCollector", "RangesR
 
 KINDS = ("activations", "activation_grads", "weights", "weight_grads", "updates")
 UPDATE_FORMATS: tuple[Format, ...] = (FP16, BF16)
+_LOST_GROUP = 1 << 19    # values per pass of the lost-update count in the collector
 
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -320,10 +321,18 @@ class RangeCollector:
         update = torch.cat([opt.detach().reshape(-1) for n in names for _, opt in self._params[n]]).float()
         update -= w_before                              # the step's change, in fp32
         RangeHistogram.add_segments([self._histogram(n, "updates") for n in names], update, sizes, keep=keep)
-        lost = []
-        for u, w in zip(update.split(sizes), w_before.split(sizes)):
-            bits = _update_bits(u)
-            lost += [torch.count_nonzero(_lost(w, *bits, f)) for f in UPDATE_FORMATS]
+        # Lost updates over groups of whole modules of at least 2**19 values (bounded temporaries,
+        # few kernels for small layers), counted per module and format.
+        lost, start, group = [], 0, []
+        for i, size in enumerate(sizes):
+            group.append(size)
+            if sum(group) < _LOST_GROUP and i + 1 < len(sizes):
+                continue
+            stop = start + sum(group)
+            w, bits = w_before[start:stop], _update_bits(update[start:stop])
+            masks = [_lost(w, *bits, f).split(group) for f in UPDATE_FORMATS]
+            lost += [torch.count_nonzero(m[j]) for j in range(len(group)) for m in masks]
+            start, group = stop, []
         step_counts = torch.stack(lost).view(len(names), len(UPDATE_FORMATS)) * keep.to(torch.int64)
         for n, counts in zip(names, step_counts):
             self._lost[n] = self._lost[n] + counts if n in self._lost else counts
