@@ -312,10 +312,13 @@ def _bin_index(lut: torch.Tensor, x: torch.Tensor,
                scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``|x * scale|`` in fp32 and each value's bin (see :func:`_bin_tables_cpu`), in scratch buffers."""
     mag, hi, index = _scratch(lut.device, x.numel())
-    mag.copy_(x)                           # to fp32: exact for fp16/bf16/fp8, rounds float64
-    if scale is not None:
-        mag.mul_(scale)                    # in fp32, after the conversion (fp16 would underflow)
-    mag.abs_()
+    if x.dtype == torch.float32:           # one pass fewer: straight into the buffer
+        torch.abs(x, out=mag) if scale is None else torch.mul(x, scale, out=mag).abs_()
+    else:
+        mag.copy_(x)                       # to fp32: exact for fp16/bf16/fp8, rounds float64
+        if scale is not None:
+            mag.mul_(scale)                # in fp32, after the conversion (fp16 would underflow)
+        mag.abs_()
     # |x| as an int32 that orders like the value; NaN patterns land above +inf's.
     bits = mag.view(torch.int32)
     torch.bitwise_right_shift(bits, _CHUNK_SHIFT, out=hi)
