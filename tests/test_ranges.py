@@ -318,3 +318,21 @@ def test_lost_updates_per_module_equal_update_lost(monkeypatch, group):
         assert r.module(name).update_loss.updates == sum(p.numel() for p in params)
     lost = r.module("0").update_loss.lost
     assert 0 < lost["fp16"] < lost["bf16"]            # bf16 keeps 3 fewer bits: loses more
+
+
+def test_every_k_th_step_is_sampled():
+    model = tiny_model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
+    collector = RangeCollector(mp, every=3)
+    installed = []
+    for x, y in batches(7):
+        with collector.collecting():
+            installed.append(bool(mp._step_observers))
+            mp.backward(F.cross_entropy(model(x), y))
+            mp.step()
+        mp.zero_grad()
+    assert installed == [True, False, False, True, False, False, True]
+    r = collector.result()
+    assert r.steps == 3 and r.module("0").stats["weights"].count == 3 * (8 * 16 + 16)
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        RangeCollector(mp, every=0)

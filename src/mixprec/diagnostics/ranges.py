@@ -212,9 +212,17 @@ class RangeCollector:
 
     ``modules`` restricts it to the named modules (and what they contain); see :func:`select_modules`.
     Each parameter belongs to the first selected module that owns it (a tied weight is counted once).
+    ``every=k`` samples: of the blocks opened with ``collecting()``, the 1st, (k+1)th, ... are counted
+    and the others run as with ``enabled=False`` (nothing installed), dividing the average cost by
+    about k; ``steps`` in the result counts the sampled steps only.
     """
 
-    def __init__(self, engine: Any, modules: Sequence[str] | None = None) -> None:
+    def __init__(self, engine: Any, modules: Sequence[str] | None = None, every: int = 1) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int (count every k-th step; 1 counts all), "
+                             f"got {every!r}")
+        self.every = every
+        self._opened = 0     # blocks opened with enabled=True, sampled or not
         self.engine = engine
         model: nn.Module = engine.model
         self._modules = select_modules(model, modules)
@@ -247,9 +255,12 @@ class RangeCollector:
     def collecting(self, enabled: bool = True) -> Iterator[None]:
         """Install the hooks for the block (one training step: forward, backward, ``step()``).
 
-        ``enabled=False`` installs nothing: the block runs exactly as without the collector.
+        ``enabled=False`` installs nothing: the block runs exactly as without the collector; so does
+        a block that ``every`` leaves out.
         """
-        if not enabled:
+        if enabled:
+            self._opened += 1
+        if not enabled or (self._opened - 1) % self.every:
             yield
             return
         if self._collecting:
