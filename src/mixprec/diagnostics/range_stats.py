@@ -14,9 +14,13 @@ How, exactly and cheaply: for positive floats the fp32 bit pattern orders like t
 read as an int32 once. Its exponent field is the histogram bin. Each format's buckets are intervals of
 |x| whose ends (:func:`format_thresholds`) are found once by bisection over fp32 bit patterns with
 ``formats.quantize`` itself, so "rounds to zero", "rounds below min_normal" and "rounds above max"
-(ties to even included) mean here exactly what they mean there. One ``bucketize`` against those ends
-and two counts per tensor; everything stays on the device until :meth:`RangeHistogram.result` reads it
-back (one host sync for all the numbers).
+(ties to even included) mean here exactly what they mean there. Every end, and every binade start,
+is a multiple of 4096 or one above one, so each value needs one lookup in a 2**19-entry table (its
+bits >> 12) plus one bit (are its low 12 bits zero?) to land in one of 542 bins, each inside one
+binade and one bucket of every format; one ``bincount`` of the bins gives the exponent histogram and
+all the format counts (:func:`_bin_tables_cpu`). About eight passes per value, in pieces that stay in
+cache, and :meth:`RangeHistogram.add_segments` counts many small tensors with the kernels of one.
+Everything stays on the device until :meth:`RangeHistogram.result` reads it back (one host sync).
 
     >>> h = RangeHistogram("cpu")
     >>> h.add(torch.tensor([0.0, 1e-8, 1e-6, 1.0, 7e4, float("inf")]))
@@ -357,7 +361,7 @@ _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = 
 
 def _scratch(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per device: an fp32 and two int32 work buffers of length ``n``, views of buffers that grow to
-    the largest tensor counted so far (12 bytes per element of it, kept for the process's life).
+    the largest piece counted so far (at most 2**19 values: 6 MiB, kept for the process's life).
 
     Shared by every histogram on the device: ``add`` uses them only within one call, and calls on
     one device are issued one after another (on CUDA, in stream order). No sync.
