@@ -12,7 +12,7 @@ import mixprec
 from mixprec.diagnostics.range_stats import RANGE_FORMATS, RangeHistogram, TensorStats, format_thresholds
 from mixprec.diagnostics.ranges import RangeCollector, select_modules, update_lost
 from mixprec.diagnostics.scale_window import below_floor, scale_window
-from mixprec.formats import FP16, classify
+from mixprec.formats import FP16, TF32, classify, quantize
 
 from conftest import batches, tiny_model
 
@@ -84,6 +84,38 @@ def test_scale_and_keep():
     assert c.result().count == 3
 
 
+def test_scale_applies_in_fp32_to_low_precision_input():
+    # fp16 gradients under a 2**16 loss scale: multiplied in fp16, 2**-10 * 2**-16 would flush to zero.
+    x = torch.tensor([2.0**-10, 3 * 2.0**-12, 1.0, -(2.0**-14)], dtype=torch.float16)
+    a, b = RangeHistogram("cpu"), RangeHistogram("cpu")
+    a.add(x, scale=torch.tensor(2.0**-16))
+    b.add(x.float() * 2.0**-16)
+    assert a.result() == b.result() and a.result().zeros == 0
+
+
+@pytest.mark.parametrize("piece", [1000, 1 << 19])
+def test_segments_count_as_separate_adds(monkeypatch, piece):
+    # Pieces of 1000 values make segments start, end and span pieces (and the empty one in between).
+    import mixprec.diagnostics.range_stats as range_stats
+    monkeypatch.setattr(range_stats, "_PIECE", piece)
+    fmt = RANGE_FORMATS[0]
+    edges = torch.tensor([b + d for b in format_thresholds(fmt) for d in (-1, 0, 1)], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    sizes = [5, 0, 1, 999, 2500, 3, 4000]
+    flat = torch.randn(sum(sizes), generator=g) * torch.exp2(torch.randint(-40, 20, (sum(sizes),), generator=g).float())
+    flat[:9] = edges.view(torch.float32)
+    flat[1000:1003] = torch.tensor([math.inf, math.nan, -0.0])
+    for scale, keep in [(None, None), (torch.tensor(2.0**-10), torch.tensor(True)), (None, torch.tensor(False))]:
+        together = [RangeHistogram("cpu") for _ in sizes]
+        RangeHistogram.add_segments(together, flat, sizes, scale, keep)
+        for h, seg in zip(together, flat.split(sizes)):
+            alone = RangeHistogram("cpu")
+            alone.add(seg, scale, keep)
+            assert h.result() == alone.result()
+    with pytest.raises(ValueError, match="one size per histogram"):
+        RangeHistogram.add_segments(together, flat, sizes[:-1])
+
+
 # --------------------------------------------------------------------------- update underflow
 def test_update_lost_on_fp16_worked_out_by_hand():
     # w = 1.0 in fp16: ulp above is 2**-10, below (the binade under a power of two) 2**-11.
@@ -121,6 +153,42 @@ def test_update_lost_agrees_with_numpy_fp16_rounding():
     reference = (w16.astype(np.float64) + u64).astype(np.float16) == w16
     reference &= u64 != 0
     assert torch.equal(update_lost(w, u, "fp16"), torch.from_numpy(reference))
+
+
+def _update_lost_by_ulp(w, u, fmt):
+    """A second derivation of update_lost: quantize, the ulp from the fp32 exponent, the denser binade
+    below a power of two as a special case, parity from the integer significand."""
+    w_q = quantize(w, fmt)
+    bits = w_q.view(torch.int32) & 0x7FFFFFFF
+    binade = ((bits >> 23) - 127).clamp(min=fmt.min_exponent)
+    ulp = torch.exp2((binade - fmt.mantissa_bits).double())
+    toward_zero = (bits != 0) & ((u > 0) != (w_q > 0))
+    denser_below = toward_zero & ((bits & 0x7FFFFF) == 0) & (binade > fmt.min_exponent)
+    half_gap = torch.where(denser_below, ulp / 4, ulp / 2)
+    even = torch.remainder(w_q.abs().double() / ulp, 2) == 0
+    size = u.abs().double()
+    vanishes = (size < half_gap) | ((size == half_gap) & even)
+    return vanishes & (u != 0) & torch.isfinite(u) & torch.isfinite(w_q)
+
+
+@pytest.mark.parametrize("fmt", [*RANGE_FORMATS, TF32], ids=lambda f: f.name)
+def test_update_lost_equals_the_ulp_derivation_at_every_edge(fmt):
+    # Weights at fmt's edges (zero, subnormals, min_normal, powers of two, max, inf, NaN, both signs,
+    # values that round) against updates of every power of two and one fp32 ulp either side: each
+    # half gap, quarter gap (below a power of two) and tie is hit exactly and missed by one ulp.
+    sub, norm = fmt.min_subnormal, fmt.min_normal
+    w = torch.tensor([0.0, sub, 2 * sub, 3 * sub, norm - sub, norm, norm * (1 + fmt.eps), 2 * norm,
+                      0.5, 1.0, 1.0 + fmt.eps, 1.5, 3.0, fmt.max / 2, fmt.max * (1 - fmt.eps / 2), fmt.max,
+                      1.0 + fmt.eps / 3, 0.1, math.inf, math.nan], dtype=torch.float64)
+    w = torch.cat([w, -w]).float()
+    powers = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    near = torch.cat([powers, torch.nextafter(powers, torch.tensor(0.0)), torch.nextafter(powers, torch.tensor(math.inf))])
+    u = torch.cat([near, -near, torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])])
+    W, U = torch.broadcast_tensors(w[:, None], u[None, :])
+    W, U = W.reshape(-1), U.reshape(-1)
+    lost = update_lost(W, U, fmt)
+    assert torch.equal(lost, _update_lost_by_ulp(W, U, fmt))
+    assert 0 < lost.sum() < lost.numel()
 
 
 # ------------------------------------------------------------------------------- scale window
@@ -226,3 +294,45 @@ def test_tied_weights_are_counted_once():
         mp.step()
     r = collector.result()
     assert r.module("0").stats["weights"].count == 40 and "weights" not in r.module("1").stats
+
+
+@pytest.mark.parametrize("group", [1 << 19, 20])
+def test_lost_updates_per_module_equal_update_lost(monkeypatch, group):
+    # Groups of 20 values split the model's modules into several passes (and its biases into their own).
+    import mixprec.diagnostics.ranges as ranges
+    monkeypatch.setattr(ranges, "_LOST_GROUP", group)
+    model = tiny_model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=3e-4), "fp32")
+    collector = RangeCollector(mp)
+    before = {n: [p.detach().clone() for p in model.get_submodule(n).parameters()] for n in ("0", "1", "3")}
+    x, y = batches(1)[0]
+    with collector.collecting():
+        mp.backward(F.cross_entropy(model(x), y))
+        mp.step()
+    r = collector.result()
+    for name, ws in before.items():
+        params = list(model.get_submodule(name).parameters())
+        for fmt in ("fp16", "bf16"):
+            expected = sum(int(update_lost(w, p.detach() - w, fmt).sum()) for w, p in zip(ws, params))
+            assert r.module(name).update_loss.lost[fmt] == expected
+        assert r.module(name).update_loss.updates == sum(p.numel() for p in params)
+    lost = r.module("0").update_loss.lost
+    assert 0 < lost["fp16"] < lost["bf16"]            # bf16 keeps 3 fewer bits: loses more
+
+
+def test_every_k_th_step_is_sampled():
+    model = tiny_model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
+    collector = RangeCollector(mp, every=3)
+    installed = []
+    for x, y in batches(7):
+        with collector.collecting():
+            installed.append(bool(mp._step_observers))
+            mp.backward(F.cross_entropy(model(x), y))
+            mp.step()
+        mp.zero_grad()
+    assert installed == [True, False, False, True, False, False, True]
+    r = collector.result()
+    assert r.steps == 3 and r.module("0").stats["weights"].count == 3 * (8 * 16 + 16)
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        RangeCollector(mp, every=0)

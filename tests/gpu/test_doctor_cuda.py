@@ -29,6 +29,25 @@ def test_histogram_on_cuda_counts_what_the_cpu_counts_without_a_sync():
     assert gpu.result() == cpu.result()
 
 
+def test_segments_on_cuda_count_what_the_cpu_counts_without_a_sync():
+    g = torch.Generator().manual_seed(2)
+    sizes = [64, 1, 700_000, 5000]        # the big one spans two pieces of 2**19
+    flat = torch.randn(sum(sizes), generator=g) * torch.exp2(torch.randint(-140, 120, (sum(sizes),), generator=g).float())
+    cpu = [RangeHistogram("cpu") for _ in sizes]
+    RangeHistogram.add_segments(cpu, flat, sizes)
+    gpu = [RangeHistogram("cuda") for _ in sizes]
+    flat_cuda = flat.cuda()
+    RangeHistogram.add_segments([RangeHistogram("cuda") for _ in sizes], flat_cuda, sizes)   # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        RangeHistogram.add_segments(gpu, flat_cuda, sizes, scale=torch.tensor(1.0, device="cuda"),
+                                    keep=torch.tensor(True, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [h.result() for h in gpu] == [h.result() for h in cpu]
+
+
 def test_update_lost_on_cuda_matches_cpu():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(50_000, generator=g)

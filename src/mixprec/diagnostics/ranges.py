@@ -25,8 +25,11 @@ vanish if added to fp16 or bf16 weights (:func:`update_lost`), the reason master
     ranges = collector.result()       # one host sync; RangesResult, per module
     ranges.module("0").stats["weight_grads"].fraction("fp16", "flush")
 
-Cost while collecting: a few kernels per tensor, no host sync, one fp32 clone of the weights per
-step (to measure updates). Off, nothing is installed.
+Cost while collecting: about a dozen kernels per activation and activation gradient, a fixed number
+for all weights, weight gradients and updates together (one :meth:`RangeHistogram.add_segments`
+each), no host sync; memory: one fp32 copy of the weights and one of the gradients per step, and
+scratch buffers of 12 bytes per value of the largest piece (2**19 values) counted. Off, nothing is
+installed; ``RangeCollector(mp, every=k)`` counts only every k-th step.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,41 +53,79 @@ __all__ = ["KINDS", "UPDATE_FORMATS", "ModuleRanges", "RangeCollector", "RangesR
 
 KINDS = ("activations", "activation_grads", "weights", "weight_grads", "updates")
 UPDATE_FORMATS: tuple[Format, ...] = (FP16, BF16)
+_LOST_GROUP = 1 << 19    # values per pass of the lost-update count in the collector
+
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """Where adding the nonzero update ``u`` to ``w`` held in ``fmt`` rounds back to the same weight.
 
     ``w`` is first rounded to ``fmt`` (as a low-precision model holds it): ``w_q``. Round to nearest
-    even puts ``w_q + u`` back on ``w_q`` exactly when ``|u|`` is below half the gap to the neighbour in
-    ``u``'s direction, or equal to it with ``w_q``'s significand even. The gap is one ulp
-    ``2**(max(floor(log2|w_q|), min_exponent) - mantissa_bits)``, halved when ``u`` points toward zero
-    from an exact power of two (the binade below is twice as dense). Every quantity is a power of two
-    or an fp32 compare, so the answer is exact: no fp32 sum ``w_q + u`` is ever rounded twice. Zero,
-    inf and NaN updates are never "lost"; nor is anything on an infinite ``w_q``. No host sync.
+    even puts ``w_q + u`` back on ``w_q`` exactly when ``|u|`` is below half the gap to ``w_q``'s
+    neighbour in ``u``'s direction, or equal to it with ``w_q``'s significand even. The neighbour is
+    found on ``w_q``'s bit pattern in ``fmt``'s own storage (magnitude plus or minus one step), so the
+    denser binade below a power of two, the subnormals and zero need no special cases; the gap is an
+    exact fp32 difference of two neighbours (a power of two), halved exactly. Past ``fmt.max`` the
+    neighbour is inf (NaN for e4m3fn): there the gap is the one below max, as rounding has it (max is
+    never a power of two). No fp32 sum ``w_q + u`` is ever rounded twice. Zero, inf and NaN updates
+    are never "lost"; nor is anything on a non-finite ``w_q``. No host sync.
 
         >>> w = torch.ones(4)
         >>> update_lost(w, torch.tensor([2**-12, 2**-11, 3 * 2**-12, -2**-12]), "fp16")
         tensor([ True,  True, False,  True])
     """
-    fmt = get_format(fmt)
-    w_q = quantize(w, fmt)
-    u = u.to(torch.float32)
-    bits = w_q.view(torch.int32) & 0x7FFFFFFF
-    # floor(log2|w_q|) from the fp32 exponent field; zeros and subnormals (field 0) share the spacing
-    # of fmt's smallest normal binade, as do fmt's own subnormals.
-    binade = ((bits >> 23) - 127).clamp(min=fmt.min_exponent)
-    # ulp = 2**(binade - m) built from its bit pattern: 2**(e + 24) is an fp32 normal for every
-    # format here (e >= -133), and the multiply by 2**-24 is exact (bf16's 2**-133 is an fp32 subnormal).
-    ulp = (((binade - fmt.mantissa_bits + 127 + 24) << 23).view(torch.float32)) * 2.0**-24
-    toward_zero = (bits != 0) & ((u > 0) != (w_q > 0))
-    power_of_two = (bits & 0x7FFFFF) == 0          # significand 1.000...: the binade below is denser
-    denser_below = toward_zero & power_of_two & (binade > fmt.min_exponent)
-    half_gap = torch.where(denser_below, ulp * 0.25, ulp * 0.5)
-    even = torch.remainder(w_q.abs() / ulp, 2) == 0        # |w_q| / ulp is the integer significand
-    size = u.abs()
-    vanishes = (size < half_gap) | ((size == half_gap) & even)
-    return vanishes & (u != 0) & torch.isfinite(u) & torch.isfinite(w_q)
+    return _lost(w.detach().to(torch.float32), *_update_bits(u), get_format(fmt))
+
+
+def _update_bits(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``u``'s fp32 bit pattern, and ``|u|``'s minus 1 with the sign bit cleared (0 goes to the top).
+
+    Nonnegative floats order like their int32 patterns: :func:`_lost` compares ``|u|`` there, and the
+    shift sends ``|u| == 0`` above everything, so one compare also leaves zero updates out.
+    """
+    u32 = u.detach().to(torch.float32)
+    return u32.view(torch.int32), u32.abs().view(torch.int32).sub_(1).bitwise_and_(0x7FFFFFFF)
+
+
+def _lost(w32: torch.Tensor, u_bits: torch.Tensor, size_bits: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """:func:`update_lost` on fp32 weights and the two patterns of :func:`_update_bits` (shared by
+    the formats, so the collector computes them once per update)."""
+    if fmt in (FP16, BF16):
+        # The hardware cast rounds to nearest even with subnormals and overflow to inf, as quantize
+        # does (tests/test_ranges.py checks update_lost against a quantize-based derivation).
+        stored, step = w32.to(fmt.torch_dtype), 1
+    elif fmt.torch_dtype is not None and fmt.torch_dtype.itemsize * 8 == fmt.bits:
+        # fp8: torch's e4m3fn cast saturates instead of giving NaN, so round with quantize; the cast
+        # of a value fmt holds exactly (or of NaN/inf) is then exact.
+        stored, step = quantize(w32, fmt).to(fmt.torch_dtype), 1
+    else:
+        # tf32: an fp32 container whose exponent range is fp32's, so fmt's neighbours, subnormals
+        # included, are 2**(23 - mantissa_bits) fp32 bit patterns apart.
+        stored, step = quantize(w32, fmt), 1 << (23 - fmt.mantissa_bits)
+    nbits = 8 * stored.element_size()
+    int_dtype = _INT_VIEW[stored.element_size()]
+    code = stored.view(int_dtype)
+    magnitude = code & ((1 << (nbits - 1)) - 1)                  # clear the sign bit
+    # Everything below is integer and in-place fp32 arithmetic: on the CPU, bool-valued float
+    # compares and fresh temporaries cost several times an integer pass.
+    u_sign = u_bits if nbits == 32 else (u_bits >> (32 - nbits)).to(int_dtype)   # keeps u's sign bit
+    # -1 where u points toward zero from a nonzero w_q (signs differ), else 0: arithmetic shifts.
+    toward = ((u_sign ^ code) >> (nbits - 1)) & ((-magnitude) >> (nbits - 1))
+    neighbour = magnitude + step + toward * (2 * step)          # magnitude +- one step
+    w_abs = magnitude.view(stored.dtype).float()
+    half_gap = neighbour.view(stored.dtype).float().sub_(w_abs).abs_()   # exact: adjacent values
+    top_gap = 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits)   # the gap just below max
+    half_gap.nan_to_num_(nan=top_gap, posinf=top_gap).mul_(0.5)   # a power of two: halving is exact
+    # No update is lost on a non-finite w_q: the smallest non-finite code is one step above max's.
+    first_nonfinite = int(torch.tensor(fmt.max).to(stored.dtype).view(int_dtype)) + step
+    half_gap.masked_fill_(magnitude >= first_nonfinite, 0.0)
+    # With odd = w_q's last significand bit, "lost" is 0 < |u| < half_gap, or |u| == half_gap with
+    # w_q even: 0 < |u|_bits < half_bits + 1 - odd, i.e. size_bits (= |u|_bits - 1, zero at the top)
+    # < half_bits - odd: one compare. NaN and inf |u| are above every finite half_gap: never lost.
+    odd = (magnitude >> (step.bit_length() - 1)) & 1
+    return size_bits < half_gap.view(torch.int32).sub_(odd.to(torch.int32))   # same dtypes: a fast loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +215,17 @@ class RangeCollector:
 
     ``modules`` restricts it to the named modules (and what they contain); see :func:`select_modules`.
     Each parameter belongs to the first selected module that owns it (a tied weight is counted once).
+    ``every=k`` samples: of the blocks opened with ``collecting()``, the 1st, (k+1)th, ... are counted
+    and the others run as with ``enabled=False`` (nothing installed), dividing the average cost by
+    about k; ``steps`` in the result counts the sampled steps only.
     """
 
-    def __init__(self, engine: Any, modules: Sequence[str] | None = None) -> None:
+    def __init__(self, engine: Any, modules: Sequence[str] | None = None, every: int = 1) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int (count every k-th step; 1 counts all), "
+                             f"got {every!r}")
+        self.every = every
+        self._opened = 0     # blocks opened with enabled=True, sampled or not
         self.engine = engine
         model: nn.Module = engine.model
         self._modules = select_modules(model, modules)
@@ -198,8 +248,8 @@ class RangeCollector:
             if own:
                 self._params[name] = own
         self._hist: dict[tuple[str, str], RangeHistogram] = {}
-        self._lost: dict[str, torch.Tensor] = {}   # per module: [updates, zeros, lost per format]
-        self._before: list[torch.Tensor] = []
+        self._lost: dict[str, torch.Tensor] = {}   # per module: lost updates per format
+        self._before: torch.Tensor | None = None
         self._collecting = False
         self.steps = 0
 
@@ -208,9 +258,12 @@ class RangeCollector:
     def collecting(self, enabled: bool = True) -> Iterator[None]:
         """Install the hooks for the block (one training step: forward, backward, ``step()``).
 
-        ``enabled=False`` installs nothing: the block runs exactly as without the collector.
+        ``enabled=False`` installs nothing: the block runs exactly as without the collector; so does
+        a block that ``every`` leaves out.
         """
-        if not enabled:
+        if enabled:
+            self._opened += 1
+        if not enabled or (self._opened - 1) % self.every:
             yield
             return
         if self._collecting:
@@ -251,35 +304,53 @@ class RangeCollector:
 
     # --------------------------------------------------------- engine step observer protocol
     def before_step(self, engine: Any) -> None:
-        """Count weights and weight gradients; remember the weights to measure the update. No sync."""
-        inverse = self._inverse_scale()
-        before = []
-        for name, params in self._params.items():
-            for p, opt in params:
-                if p.grad is not None:
-                    self._histogram(name, "weight_grads").add(p.grad, inverse)
-                self._histogram(name, "weights").add(opt)
-                before.append(opt.detach().clone())
-        self._before = before
+        """Count weights and weight gradients; remember the weights to measure the update. No sync.
+
+        All modules at once: the weights are concatenated into one fp32 copy (the copy the update is
+        measured against) and counted with one :meth:`RangeHistogram.add_segments`; the gradients too.
+        """
+        names = list(self._params)
+        weights = [opt.detach().reshape(-1) for n in names for _, opt in self._params[n]]
+        self._before = torch.cat(weights).float()    # a new tensor: cat copies (fp16 weights: converted)
+        sizes = [sum(opt.numel() for _, opt in self._params[n]) for n in names]
+        RangeHistogram.add_segments([self._histogram(n, "weights") for n in names], self._before, sizes)
+        grads, grad_sizes, grad_names = [], [], []
+        for n in names:
+            own = [p.grad.detach().reshape(-1) for p, _ in self._params[n] if p.grad is not None]
+            if own:
+                grads += own
+                grad_sizes.append(sum(g.numel() for g in own))
+                grad_names.append(n)
+        if grads:
+            RangeHistogram.add_segments([self._histogram(n, "weight_grads") for n in grad_names],
+                                        torch.cat(grads), grad_sizes, self._inverse_scale())
 
     @torch.no_grad()
     def after_step(self, engine: Any, found_inf: torch.Tensor) -> None:
         """Count the updates and those that fp16/bf16 weights would lose; skipped steps count 0. No sync."""
         keep = ~found_inf
-        before = iter(self._before)
-        for name, params in self._params.items():
-            counts = []
-            for _, opt in params:
-                w_before = next(before)
-                update = opt.detach().float() - w_before.float()   # the step's change, in fp32
-                self._histogram(name, "updates").add(update, keep=keep)
-                counts.append(torch.stack([
-                    torch.full((), update.numel(), device=update.device),   # a fill: no copy, no sync
-                    torch.count_nonzero(update == 0),
-                    *(torch.count_nonzero(update_lost(w_before, update, f)) for f in UPDATE_FORMATS)]))
-            step_counts = torch.stack(counts).sum(0) * keep.to(torch.int64)
-            self._lost[name] = self._lost[name] + step_counts if name in self._lost else step_counts
-        self._before = []
+        names = list(self._params)
+        sizes = [sum(opt.numel() for _, opt in self._params[n]) for n in names]
+        w_before = self._before
+        update = torch.cat([opt.detach().reshape(-1) for n in names for _, opt in self._params[n]]).float()
+        update -= w_before                              # the step's change, in fp32
+        RangeHistogram.add_segments([self._histogram(n, "updates") for n in names], update, sizes, keep=keep)
+        # Lost updates over groups of whole modules of at least 2**19 values (bounded temporaries,
+        # few kernels for small layers), counted per module and format.
+        lost, start, group = [], 0, []
+        for i, size in enumerate(sizes):
+            group.append(size)
+            if sum(group) < _LOST_GROUP and i + 1 < len(sizes):
+                continue
+            stop = start + sum(group)
+            w, bits = w_before[start:stop], _update_bits(update[start:stop])
+            masks = [_lost(w, *bits, f).split(group) for f in UPDATE_FORMATS]
+            lost += [torch.count_nonzero(m[j]) for j in range(len(group)) for m in masks]
+            start, group = stop, []
+        step_counts = torch.stack(lost).view(len(names), len(UPDATE_FORMATS)) * keep.to(torch.int64)
+        for n, counts in zip(names, step_counts):
+            self._lost[n] = self._lost[n] + counts if n in self._lost else counts
+        self._before = None
 
     # ------------------------------------------------------------------------------ result
     def result(self) -> RangesResult:
@@ -288,9 +359,10 @@ class RangeCollector:
         for name, module in self._modules.items():
             stats = {kind: self._hist[(name, kind)].result() for kind in KINDS if (name, kind) in self._hist}
             loss = None
-            if name in self._lost:
-                updates, zeros, *lost = self._lost[name].tolist()
-                loss = UpdateLoss(updates, zeros, {f.name: n for f, n in zip(UPDATE_FORMATS, lost)})
+            if name in self._lost:   # update count and zeros: the "updates" counter has them exactly
+                lost = self._lost[name].tolist()
+                loss = UpdateLoss(stats["updates"].count, stats["updates"].zeros,
+                                  {f.name: n for f, n in zip(UPDATE_FORMATS, lost)})
             if stats:
                 modules.append(ModuleRanges(name, type(module).__name__, stats, loss))
         return RangesResult(tuple(modules), self.steps)
