@@ -2,8 +2,11 @@
 
 Nothing here runs at import; every probe looks at the hardware when it is called.
 
-    >>> supports(get_recipe("tf32"), torch.device("cpu"))
-    Support(ok=False, reason='tf32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or later; cpu has no TF32 mode: use fp32')
+    >>> from mixprec import get_recipe
+    >>> supports(get_recipe("tf32"), torch.device("cpu")).reason
+    'tf32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or later; cpu has no TF32 mode: use fp32'
+    >>> supports(get_recipe("bf16"), torch.device("cpu"))
+    Support(ok=True, reason='')
 """
 
 from __future__ import annotations

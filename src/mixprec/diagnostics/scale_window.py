@@ -15,10 +15,10 @@ Two conditions bound ``k``:
 
 The recommendation is ``2**high``, the top of the window (the most lift the margin allows): small
 gradients keep the most precision there. ``low > high`` means no single scale fits: the gradients
-span more binades than fp16 offers (use bf16, or per-layer scaling).
+span more binades than fp16 offers (use bf16, or per-layer scaling)::
 
-    >>> w = scale_window(stats)       # stats: a TensorStats of gradients in true units
-    >>> w.low, w.high, w.recommended  # exponents k of 2**k
+    w = scale_window(stats)       # stats: a TensorStats of gradients in true units
+    w.low, w.high, w.recommended  # exponents k of 2**k
 """
 
 from __future__ import annotations
