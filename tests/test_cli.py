@@ -274,3 +274,11 @@ def test_compare_out_that_is_a_file_is_refused_before_training(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "is a file" in lines[0], proc.stderr
     assert target.read_text() == "something else\n"
+
+
+def test_tiny_losses_keep_their_digits_in_the_table():
+    from mixprec.lab.report import _loss_text
+    # beam's MSE is ~1e-9 m^2: four decimals would print every recipe as 0.0000.
+    assert _loss_text(1.019e-9) == "1.019e-09"
+    assert _loss_text(0.0315) == "0.0315" and _loss_text(0.0) == "0.0000"
+    assert _loss_text(float("nan")) == "nan"

@@ -141,7 +141,7 @@ def render_table(report: CompareReport) -> Table:
     table.add_column("scale", justify="right", no_wrap=True)
     names = short_names((r.recipe, r.label) for r in report.runs)
     for r in report.runs:
-        row = [names[r.recipe], f"{r.final_loss:.4f}", _metric_text(report.metric, r.test_metric),
+        row = [names[r.recipe], _loss_text(r.final_loss), _metric_text(report.metric, r.test_metric),
                f"{r.samples_per_s * per:,.0f}" if math.isfinite(r.samples_per_s) else "-"]
         if baseline is not None:
             row.append(ratio_text(r.samples_per_s, baseline.samples_per_s))
@@ -207,6 +207,11 @@ def short_names(recipes: Iterable[tuple[str, str]]) -> dict[str, str]:
 
 def _short(metric: str) -> str:
     return "acc" if metric == "accuracy" else metric
+
+
+def _loss_text(loss: float) -> str:
+    """Four decimals, or four significant digits for losses below 0.01 (beam's MSE is ~1e-9 m^2)."""
+    return f"{loss:.4f}" if not math.isfinite(loss) or abs(loss) >= 0.01 or loss == 0 else f"{loss:.4g}"
 
 
 def _metric_text(metric: str, value: float) -> str:
