@@ -61,7 +61,7 @@ def render_fp8_table(report: DoctorReport) -> Table:
 
 
 def _bits(h: float) -> str:
-    return f"{h:+.1f} b" if math.isfinite(h) else str(h)
+    return f"{h:+.2f} b" if math.isfinite(h) else str(h)     # -0.00: a hair below the max
 
 
 def render_fp8_findings(report: DoctorReport) -> list[str]:
