@@ -9,6 +9,7 @@ import pytest
 
 from mixprec.diagnostics.ranges import KINDS
 from mixprec.lab.cli import main
+from mixprec.lab.doctor_fp8 import fp8_swap_lines, render_fp8_findings
 from mixprec.lab.doctor_report import DoctorReport, layer_rows
 
 TESTS = Path(__file__).parent
@@ -64,6 +65,16 @@ def test_report_round_trips_and_renders(run):
     assert page.count("<img") == 1 + len(report.modules)      # the overview and one per module
     assert "http" not in page.replace("http-equiv", "")        # self-contained
     assert "loss scale:" in proc.stdout and "grad<2^-24" in proc.stdout
+
+
+def test_a_non_fp8_run_has_no_fp8_section(run):
+    proc, out = run
+    data = json.loads((out / "doctor.json").read_text())
+    assert data["fp8_layers"] == [] and data["fp8_swap"] is None
+    report = DoctorReport.from_json(json.dumps(data))
+    assert report.fp8_layers == () and report.fp8_swap is None
+    assert render_fp8_findings(report) == [] and fp8_swap_lines(report.fp8_swap) == []
+    assert "fp8 tensors" not in proc.stdout and "<h2>fp8</h2>" not in (out / "doctor.html").read_text()
 
 
 def test_bad_json_is_refused():

@@ -13,7 +13,9 @@ module names) before anything trains; ``run_doctor`` trains with a
 Default recipe ``fp16`` (torch.amp's O1 with a dynamic loss scale): gradients are measured in true
 units (divided by the scale), so the histograms show what fp16 *without* scaling would flush, and the
 report sets the scaler's choice beside the recommended window. Under ``scale=none`` the flushed
-gradients are already zeros when they are counted: the doctor says so.
+gradients are already zeros when they are counted: the doctor says so. Under an fp8 recipe it also
+counts, exactly, the values every fp8 cast flushed or saturated (``report.fp8_layers``) and keeps the
+swap report (``report.fp8_swap``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from .. import __version__
 from ..devices import resolve_device, supports
+from ..diagnostics.fp8 import count_fp8_ranges, fp8_layer_stats
 from ..diagnostics.ranges import RangeCollector, select_modules
 from ..diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
 from ..engine import MixedPrecision
@@ -106,6 +109,8 @@ def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | 
     model.to(device)
     mp = MixedPrecision(model, w.make_optimizer(model.parameters()), plan.recipe, seed=plan.seed)
     collector = RangeCollector(mp, plan.modules)
+    if mp.fp8_report is not None:
+        count_fp8_ranges(model)        # exact flushed/saturated counts in every fp8 cast of the run
     losses_t, scales_t = [], []
     model.train()
     if on_progress is not None:
@@ -123,6 +128,7 @@ def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | 
         if on_progress is not None:
             on_progress(TrainProgress(step + 1, plan.steps, float(losses_t[-1]), math.nan))
     ranges = collector.result()
+    fp8 = fp8_layer_stats(model) if mp.fp8_report is not None else ()     # one host sync
     return DoctorReport(
         workload=w.name, recipe=str(plan.recipe), label=plan.recipe.label, device=str(device),
         device_name=_device_name(device), torch_version=torch.__version__, mixprec_version=__version__,
@@ -130,7 +136,7 @@ def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | 
         losses=tuple(torch.stack(losses_t).float().tolist()), scales=tuple(torch.stack(scales_t).tolist()),
         skipped_steps=mp.skipped_steps, scaled=plan.recipe.loss_scale.kind != "none",
         small_fraction=SMALL_FRACTION, margin=MARGIN, modules=ranges.modules,
-        window=scale_window(ranges.gradients()))
+        window=scale_window(ranges.gradients()), fp8_layers=fp8, fp8_swap=mp.fp8_report)
 
 
 def _device_name(device: torch.device) -> str:

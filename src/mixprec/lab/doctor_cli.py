@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .doctor import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
+from .doctor_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .doctor_report import DoctorReport, render_doctor_table, render_findings
 from .trainer import TrainProgress
 from .workloads import BENCHMARKS, WORKLOADS
@@ -105,7 +106,11 @@ def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
     # Piped or redirected, rich would cut the table to 80 columns; long module names need more.
     out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     out.print(render_doctor_table(report))
-    for line in render_findings(report):
+    if report.fp8_swap is not None:       # fp8 recipes: the swap decisions, then each fp8 tensor
+        for line in fp8_swap_lines(report.fp8_swap):
+            out.print(line, soft_wrap=True)
+        out.print(render_fp8_table(report))
+    for line in render_findings(report) + render_fp8_findings(report):
         out.print(f"- {line}", soft_wrap=True)
     return 0
 

@@ -1,7 +1,8 @@
-"""The HTML page of a DoctorReport: findings, the layer table, exponent histograms, per-format tables.
+"""The HTML page of a DoctorReport: findings, the layer table, fp8 tensors, histograms, per-format tables.
 
 One self-contained file (inline CSS and base64 PNGs, as compare's page), rendered from the typed report
-alone. Each histogram puts ``floor(log2|x|)`` on the x axis and the share of nonzero values on the y
+alone. fp8 runs add a section after the layer table: the swap decisions and, per fp8 layer and
+tensor, scale, amax, headroom and the exact flushed and saturated shares. Each histogram puts ``floor(log2|x|)`` on the x axis and the share of nonzero values on the y
 axis, over fp16's range: red where fp16 flushes to zero (below ``2**-24``), amber where it is subnormal
 (``2**-24 .. 2**-14``), white where it is normal, red again above its max (65504). Gradient panels also
 draw the histogram shifted by the recommended loss scale (a whole number of bins: ``2**k`` moves every
@@ -17,9 +18,11 @@ from html import escape
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from rich.table import Table
 
 from ..diagnostics.range_stats import RANGE_FORMATS, TensorStats
 from ..diagnostics.ranges import KINDS
+from .doctor_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .doctor_report import (DoctorReport, _exp_of, percent_text, pow2_text, render_doctor_table,
                             render_findings)
 from .html import _CSS, _FULL, _figure, _new_figure, _style, _text
@@ -42,7 +45,7 @@ def render_doctor_html(report: DoctorReport) -> str:
             ("final loss scale", f"{report.final_scale:g}" if report.scaled else "none"),
             ("skipped", str(report.skipped_steps)), ("torch", report.torch_version),
             ("mixprec", report.mixprec_version)]
-    findings = "".join(f"<li>{escape(n)}</li>" for n in render_findings(report))
+    findings = "".join(f"<li>{escape(n)}</li>" for n in render_findings(report) + render_fp8_findings(report))
     grads = TensorStats.merge([g for g in (m.gradients() for m in report.modules) if g is not None])
     overview = _figure("plot-gradients", _overview(grads, report.window.recommended, k_run),
                        "All gradients of the run (activation and weight gradients of every module, true "
@@ -65,7 +68,7 @@ def render_doctor_html(report: DoctorReport) -> str:
         "<main>", f"<h1>{escape(title)}</h1>",
         '<dl class="meta">' + "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
                                       for k, v in meta) + "</dl>",
-        f'<ul class="notes">{findings}</ul>', _layer_table(report), overview,
+        f'<ul class="notes">{findings}</ul>', _layer_table(report), _fp8_section(report), overview,
         "<h2>Per layer</h2>", *layers, "<h2>Per layer and format</h2>", _format_table(report),
         "</main>", "</body>", "</html>", ""])
 
@@ -77,17 +80,33 @@ table.formats tr.first td { border-top: 1px solid #999; }
 """.strip()
 
 
+def _fp8_section(report: DoctorReport) -> str:
+    """fp8 runs: the swap decisions and, per fp8 layer and tensor, scale, amax, headroom, flushed, saturated."""
+    if report.fp8_swap is None:
+        return ""
+    first, *reasons = fp8_swap_lines(report.fp8_swap)
+    notes = "".join(f"<li>{escape(r.strip())}</li>" for r in reasons)
+    caption = ("headroom: log2(max / (amax * scale)) at the last cast, negative when it saturated; flushed "
+               "and saturated: exact shares of every value cast in training, all steps.")
+    return ("<h2>fp8</h2>" + f"<p>{escape(first)}</p>" + (f'<ul class="notes">{notes}</ul>' if notes else "")
+            + _rich_table_html(render_fp8_table(report), caption))
+
+
 def _layer_table(report: DoctorReport) -> str:
-    table = render_doctor_table(report)
+    caption = ("grad&lt;2^-24: nonzero gradients below fp16's smallest "
+               "subnormal with no loss scale, then at the run's scale; act ovf: activations beyond "
+               "fp16's max; lost: nonzero updates that round away on fp16/bf16 weights; worst first.")
+    return _rich_table_html(render_doctor_table(report), caption)
+
+
+def _rich_table_html(table: Table, caption: str) -> str:
+    """A rich Table's title, headers and cells as an HTML table; ``caption`` is HTML, added after the title."""
     cols = table.columns
     head = "".join(f'<th class="{c.justify}">{escape(str(c.header))}</th>' for c in cols)
     cells = [list(c.cells) for c in cols]
     rows = "".join("<tr>" + "".join(f'<td class="{c.justify}">{escape(str(cells[j][i]))}</td>'
                                     for j, c in enumerate(cols)) + "</tr>" for i in range(table.row_count))
-    caption = (f"{escape(str(table.title))}. grad&lt;2^-24: nonzero gradients below fp16's smallest "
-               "subnormal with no loss scale, then at the run's scale; act ovf: activations beyond "
-               "fp16's max; lost: nonzero updates that round away on fp16/bf16 weights; worst first.")
-    return (f"<table><caption>{caption}</caption><thead><tr>{head}</tr></thead><tbody>{rows}</tbody>"
+    return (f"<table><caption>{escape(str(table.title))}. {caption}</caption><thead><tr>{head}</tr></thead><tbody>{rows}</tbody>"
             "</table>")
 
 

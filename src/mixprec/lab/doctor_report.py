@@ -31,8 +31,26 @@ JSON schema, version 1 (one object; strict JSON: non-finite floats are the strin
                               updates that would round away on weights held in that format
       window         object   this module's own loss-scale window (same fields as above); written
                               for readers, recomputed from stats when read back
+    fp8_layers       list     fp8 recipes only (else []; absent in older files: read as []): per fp8
+                              linear, in model order (diagnostics.fp8.fp8_layer_stats after the run):
+      name           str;  out_features, in_features   int
+      tensors        list     per role "input", "weight", "grad_output":
+        role, format str      format "fp8_e4m3" or "fp8_e5m2"
+        scale, amax  float    the last training cast's scale (x is cast as x * scale) and max |x|
+        history_amax float|null   max of the amax history (delayed scaling), else null
+        headroom_bits float   log2(F.max / (amax * scale)); < 0: the last cast saturated
+        flush_below  float    |x| at or below this flushed to 0 at the last scale
+        flushed_fraction, saturated_fraction   float|null   exact shares over every training cast of
+                              the run (null if nothing was counted)
+        counted      int      values counted
+    fp8_swap         object|null   fp8 recipes only: the engine's swap report (mp.fp8_report):
+      backend, note  str
+      layers         list     every nn.Linear in module order: name str, out_features int,
+                              in_features int, reason str (an Fp8Reason name: "SWAPPED", "SHAPE", ...),
+                              detail str
 
-``DoctorReport.from_json(report.to_json()) == report``.
+Adding a field keeps the version (readers take a missing new field as empty); it is bumped when a
+field changes meaning or goes away. ``DoctorReport.from_json(report.to_json()) == report``.
 """
 
 from __future__ import annotations
@@ -45,10 +63,12 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from ..diagnostics.fp8 import Fp8LayerStats, Fp8TensorStats
 from ..diagnostics.range_stats import TensorStats
 from ..diagnostics.ranges import ModuleRanges, UpdateLoss
 from ..diagnostics.scale_window import ScaleWindow, below_floor, scale_window
 from ..formats import RangeCounts
+from ..fp8.swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport
 from .strict_json import decode_float, dumps
 
 __all__ = ["DOCTOR_SCHEMA_VERSION", "DoctorReport", "LayerRow", "layer_rows", "render_doctor_table",
@@ -79,6 +99,8 @@ class DoctorReport:
     margin: float
     modules: tuple[ModuleRanges, ...]
     window: ScaleWindow
+    fp8_layers: tuple[Fp8LayerStats, ...] = ()    # fp8 recipes: per fp8 linear, after the run
+    fp8_swap: Fp8SwapReport | None = None          # fp8 recipes: which linears were swapped, why not
     schema_version: int = DOCTOR_SCHEMA_VERSION
 
     @property
@@ -93,13 +115,15 @@ class DoctorReport:
     def to_json(self, indent: int | None = 2) -> str:
         """Strict JSON text (schema in the module docstring)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("modules", "window")}
+                if f.name not in ("modules", "window", "fp8_layers", "fp8_swap")}
         data = {"schema_version": self.schema_version, "kind": "doctor", **data}
         data["window"] = _window_json(self.window)
         data["modules"] = [{"name": m.name, "type": m.type,
                             "stats": {k: _stats_json(s) for k, s in m.stats.items()},
                             "update_loss": dataclasses.asdict(m.update_loss) if m.update_loss else None,
                             "window": _window_json(self.module_window(m))} for m in self.modules]
+        data["fp8_layers"] = _fp8_stats_json(self.fp8_layers)
+        data["fp8_swap"] = _fp8_swap_json(self.fp8_swap)
         return dumps(data, indent=indent)
 
     @classmethod
@@ -115,7 +139,11 @@ class DoctorReport:
             raise ValueError(f"doctor report schema_version is {data.get('schema_version')!r}; this mixprec "
                              f"reads version {DOCTOR_SCHEMA_VERSION}")
         try:
-            fields = {f.name: data[f.name] for f in dataclasses.fields(cls)}
+            # fp8_layers/fp8_swap came later within version 1: absent means a report without them.
+            fields = {f.name: data[f.name] for f in dataclasses.fields(cls)
+                      if f.name not in ("fp8_layers", "fp8_swap")}
+            fields["fp8_layers"] = _fp8_stats_from(data.get("fp8_layers", []))
+            fields["fp8_swap"] = _fp8_swap_from(data.get("fp8_swap"))
             fields["losses"] = tuple(decode_float(v) for v in fields["losses"])
             fields["scales"] = tuple(decode_float(v) for v in fields["scales"])
             fields["small_fraction"] = decode_float(data["small_fraction"])
@@ -155,6 +183,51 @@ def _module_from(d: dict[str, Any]) -> ModuleRanges:
     return ModuleRanges(name=d["name"], type=d["type"],
                         stats={k: _stats_from(s) for k, s in d["stats"].items()},
                         update_loss=UpdateLoss(**loss) if loss is not None else None)
+
+
+def _fp8_stats_json(layers: tuple[Fp8LayerStats, ...]) -> list[dict[str, Any]]:
+    """Plain data for ``fp8_layers`` (floats stay floats; strict_json encodes inf/NaN)."""
+    return [{"name": s.name, "out_features": s.out_features, "in_features": s.in_features,
+             "tensors": [{"role": t.role, "format": t.format, "scale": t.scale, "amax": t.amax,
+                          "history_amax": t.history_amax, "headroom_bits": t.headroom_bits,
+                          "flush_below": t.flush_below, "flushed_fraction": t.flushed_fraction,
+                          "saturated_fraction": t.saturated_fraction, "counted": t.counted}
+                         for t in s.tensors]} for s in layers]
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else decode_float(v)
+
+
+def _fp8_stats_from(data: list[dict[str, Any]]) -> tuple[Fp8LayerStats, ...]:
+    """``_fp8_stats_json``'s data back as typed stats; a missing key is a KeyError for the caller."""
+    return tuple(Fp8LayerStats(
+        name=s["name"], out_features=int(s["out_features"]), in_features=int(s["in_features"]),
+        tensors=tuple(Fp8TensorStats(
+            role=t["role"], format=t["format"], scale=decode_float(t["scale"]), amax=decode_float(t["amax"]),
+            history_amax=_opt_float(t["history_amax"]), headroom_bits=decode_float(t["headroom_bits"]),
+            flush_below=decode_float(t["flush_below"]), flushed_fraction=_opt_float(t["flushed_fraction"]),
+            saturated_fraction=_opt_float(t["saturated_fraction"]), counted=int(t["counted"]))
+            for t in s["tensors"])) for s in data)
+
+
+def _fp8_swap_json(swap: Fp8SwapReport | None) -> dict[str, Any] | None:
+    """The swap report as plain data; reasons by enum name (``"SHAPE"``), stable across wordings."""
+    if swap is None:
+        return None
+    return {"backend": swap.backend, "note": swap.note,
+            "layers": [{"name": d.name, "out_features": d.out_features, "in_features": d.in_features,
+                        "reason": d.reason.name, "detail": d.detail} for d in swap.layers]}
+
+
+def _fp8_swap_from(data: dict[str, Any] | None) -> Fp8SwapReport | None:
+    """``_fp8_swap_json``'s data back; an unknown reason name is a KeyError for the caller."""
+    if data is None:
+        return None
+    return Fp8SwapReport(
+        layers=tuple(Fp8LayerDecision(d["name"], int(d["out_features"]), int(d["in_features"]),
+                                      Fp8Reason[d["reason"]], d["detail"]) for d in data["layers"]),
+        backend=data["backend"], note=data["note"])
 
 
 # ----------------------------------------------------------------------------------- the table

@@ -1,0 +1,105 @@
+"""The fp8 part of a doctor report: which linears became fp8, and each one's underflow and saturation.
+
+For an fp8 recipe the doctor turns on exact counting (``count_fp8_ranges``) before it trains and keeps
+``fp8_layer_stats`` and the engine's swap report in the ``DoctorReport`` (fields ``fp8_layers`` and
+``fp8_swap``; empty/None for other recipes; their JSON is in doctor_report). This module renders them:
+the swap summary lines, the fp8 table and the fp8 findings::
+
+    for line in fp8_swap_lines(report.fp8_swap):   # "fp8: 1 of 2 linear layers swapped, ...", reasons
+        print(line)
+    console.print(render_fp8_table(report))        # layer, role, format, scale, amax, headroom, %
+    render_fp8_findings(report)                    # worst saturation and flush, and what to do
+
+The flushed/saturated percentages are exact counts over every training cast of the run; scale, amax
+and headroom are those of the last cast.
+"""
+
+from __future__ import annotations
+
+import math
+from rich import box
+from rich.table import Table
+
+from ..diagnostics.fp8 import Fp8TensorStats
+from ..fp8.swap import Fp8SwapReport
+from .doctor_report import DoctorReport, percent_text
+
+__all__ = ["fp8_swap_lines", "fp8_rows", "render_fp8_table", "render_fp8_findings"]
+
+
+# ----------------------------------------------------------------------------------- text
+def fp8_swap_lines(swap: Fp8SwapReport | None) -> list[str]:
+    """One summary line, then one line per linear layer that stayed out of fp8 and why."""
+    if swap is None:
+        return []
+    lines = [f"fp8: {len(swap.swapped)} of {len(swap.layers)} linear layers swapped "
+             f"({', '.join(repr(n) for n in swap.swapped) or 'none'}), backend {swap.backend}"
+             + (f" ({swap.note})" if swap.note else "")]
+    for d in swap.layers:
+        if not d.swapped:
+            lines.append(f"  not fp8: {d.name!r} ({d.out_features}, {d.in_features}): {d.reason.value}"
+                         + (f": {d.detail}" if d.detail else ""))
+    return lines
+
+
+def fp8_rows(report: DoctorReport) -> list[tuple[str, Fp8TensorStats]]:
+    """(layer name, tensor stats) for every fp8 layer and role, in model order."""
+    return [(layer.name, t) for layer in report.fp8_layers for t in layer.tensors]
+
+
+def render_fp8_table(report: DoctorReport) -> Table:
+    """Per fp8 layer and tensor: format, last scale and amax, headroom bits, flushed and saturated %."""
+    table = Table(title=f"fp8 tensors: last scale and amax; flushed/saturated over all {report.steps} "
+                        "steps' casts", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for header in ("layer", "tensor", "format", "scale", "amax", "headroom", "flushed", "saturated"):
+        table.add_column(header, justify="left" if header in ("layer", "tensor", "format") else "right",
+                         no_wrap=True)
+    for name, t in fp8_rows(report):
+        table.add_row(name, t.role, t.format.removeprefix("fp8_"), f"{t.scale:.3g}", f"{t.amax:.3g}",
+                      _bits(t.headroom_bits), percent_text(t.flushed_fraction), percent_text(t.saturated_fraction))
+    return table
+
+
+def _bits(h: float) -> str:
+    return f"{h:+.2f} b" if math.isfinite(h) else str(h)     # -0.00: a hair below the max
+
+
+def render_fp8_findings(report: DoctorReport) -> list[str]:
+    """Where fp8 clipped or flushed most, and what to try; one line when neither happened."""
+    rows = [(n, t) for n, t in fp8_rows(report) if t.counted]
+    if not rows:
+        return []
+    delayed = any(t.history_amax is not None for _, t in rows)
+    out = []
+    sat = max(rows, key=lambda r: r[1].saturated_fraction or 0.0)
+    if sat[1].saturated_fraction:
+        n, t = sat
+        if delayed:
+            fix = ("delayed scaling took the scale from earlier amaxes and this tensor outgrew them: give "
+                   "it a margin (fp8=delayed(margin=1)), use amax=max over a longer history, or current "
+                   f"scaling (recipe fp8), or keep the layer out of fp8 (fp8=delayed(skip={n}))")
+        elif t.headroom_bits > -1e-3:
+            # Current scaling maps amax to F.max; fp32 rounding of amax * scale can land an ulp above
+            # it, which the counter calls saturated although the value rounds to F.max anyway.
+            fix = ("under current scaling these are the largest values, an fp32 ulp above the max after "
+                   "amax * scale: they round to the max anyway, nothing is lost")
+        else:
+            fix = f"add a margin (fp8=current(margin=1)) or keep the layer out of fp8 (fp8=current(skip={n}))"
+        out.append(f"fp8 saturation: layer {n!r}, {percent_text(t.saturated_fraction)} of its {t.role} values "
+                   f"exceeded {t.format}'s max (last headroom {_bits(t.headroom_bits)}); {fix}")
+    flush = max(rows, key=lambda r: r[1].flushed_fraction or 0.0)
+    if flush[1].flushed_fraction:
+        n, t = flush
+        fix = ("a stale large amax in the history lowers the scale: try amax=recent or current scaling "
+               "(recipe fp8)" if delayed and t.history_amax is not None and t.history_amax > t.amax else
+               "the scale already puts its amax near the format's max, so these values lie more than "
+               "the format's range below it" + ("; a margin would flush more" if not delayed else ""))
+        out.append(f"fp8 underflow: layer {n!r}, {percent_text(t.flushed_fraction)} of its {t.role} values "
+                   f"flushed to zero in {t.format} (|x| <= {t.flush_below:.3g} at the last scale); {fix}; "
+                   f"if that loses accuracy, keep the layer out of fp8 (skip={n} in the fp8 options)")
+    if not out:
+        low = min(rows, key=lambda r: r[1].headroom_bits)
+        out.append(f"fp8: no value of the {len(report.fp8_layers)} fp8 layer(s) flushed or saturated over "
+                   f"{report.steps} steps (least headroom: {low[0]!r} {low[1].role}, "
+                   f"{_bits(low[1].headroom_bits)})")
+    return out

@@ -1,0 +1,127 @@
+"""``mixprec doctor`` under fp8 recipes: exact per-tensor flush/saturation counts and the swap decisions."""
+
+import contextlib
+import dataclasses
+import io
+import json
+
+import pytest
+import torch
+
+from mixprec import MixedPrecision, count_fp8_ranges, fp8_layer_stats
+from mixprec.lab.cli import main
+from mixprec.lab.doctor_fp8 import render_fp8_findings, render_fp8_table
+from mixprec.lab.doctor_report import DoctorReport
+from mixprec.lab.trainer import batch_order
+from mixprec.lab.workloads import get_workload
+
+STEPS = 3
+BATCH, IN, HIDDEN = 64, 64, 256       # the mlp workload: Linear(64, 256), ReLU, Linear(256, 10)
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    """One in-process ``mixprec doctor --recipe fp8-delayed`` run: its stdout, report and page."""
+    out = tmp_path_factory.mktemp("doctor_fp8")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):       # rich's Console writes to sys.stdout as it is then
+        rc = main(["doctor", "--workload", "mlp", "--recipe", "fp8-delayed", "--steps", str(STEPS),
+                   "--device", "cpu", "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    text = (out / "doctor.json").read_text()
+    return buf.getvalue(), DoctorReport.from_json(text), text, (out / "doctor.html").read_text()
+
+
+def _replay(recipe: str) -> tuple:
+    """The doctor's training loop without the range collector: same seed, weights and batches."""
+    w = get_workload("mlp")
+    data = w.load_data()
+    order = batch_order(len(data.y_train), w.batch_size, STEPS, 0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = w.build_model()
+    mp = MixedPrecision(model, w.make_optimizer(model.parameters()), recipe, seed=0)
+    count_fp8_ranges(model)
+    for step in range(STEPS):
+        idx = order[step]
+        with mp.autocast():
+            loss = w.loss_fn(model(data.x_train[idx]), data.y_train[idx])
+        mp.backward(loss)
+        mp.step()
+        mp.zero_grad()
+    return fp8_layer_stats(model), mp.fp8_report
+
+
+def test_stats_cover_exactly_the_swapped_layers_and_match_fp8_layer_stats(fp8_run):
+    _, report, _, _ = fp8_run
+    assert report.fp8_swap is not None and report.fp8_swap.swapped == ("0",)
+    assert dict((n, r.name) for n, r in report.fp8_swap.not_swapped.items()) == {"2": "SHAPE"}  # 10 rows
+    assert [s.name for s in report.fp8_layers] == list(report.fp8_swap.swapped)
+    layer = report.fp8_layers[0]
+    # Every training cast of every step counted: x is (64, 64), W (256, 64), the output gradient (64, 256).
+    assert {t.role: t.counted for t in layer.tensors} == {
+        "input": STEPS * BATCH * IN, "weight": STEPS * HIDDEN * IN, "grad_output": STEPS * BATCH * HIDDEN}
+    assert layer.tensor("input").history_amax is not None          # delayed scaling keeps a history
+    # The collector's hooks must not change what fp8 sees: a plain replay gives the same stats, bit for bit.
+    stats, swap = _replay("fp8-delayed")
+    assert report.fp8_layers == stats and report.fp8_swap == swap
+    assert any(t.saturated_fraction for t in layer.tensors)        # delayed scaling lags the amax here
+
+
+def test_json_round_trip_and_older_reports(fp8_run):
+    _, report, text, _ = fp8_run
+    assert DoctorReport.from_json(report.to_json()) == report
+    data = json.loads(text)
+    assert data["fp8_swap"]["layers"][1] == {"name": "2", "out_features": 10, "in_features": 256,
+                                             "reason": "SHAPE", "detail": "pad to (16, 256)"}
+    del data["fp8_layers"], data["fp8_swap"]                       # a version-1 file from before
+    old = DoctorReport.from_json(json.dumps(data))
+    assert old.fp8_layers == () and old.fp8_swap is None and old.modules == report.modules
+    data = json.loads(text)
+    data["fp8_swap"]["layers"][0]["reason"] = "MAYBE"
+    with pytest.raises(ValueError, match="does not match schema version 1"):
+        DoctorReport.from_json(json.dumps(data))
+
+
+def test_table_findings_and_page_name_the_fp8_tensors(fp8_run):
+    stdout, report, _, page = fp8_run
+    assert "fp8: 1 of 2 linear layers swapped ('0'), backend" in stdout
+    assert "not fp8: '2' (10, 256): weight dims not multiples of 16: pad to (16, 256)" in stdout
+    table = render_fp8_table(report)
+    assert table.row_count == 3
+    assert list(table.columns[1].cells) == ["input", "weight", "grad_output"]
+    assert list(table.columns[2].cells) == ["e4m3", "e4m3", "e5m2"]
+    for role in ("grad_output", "weight"):
+        assert f"0      {role}" in stdout
+    findings = render_fp8_findings(report)
+    worst = max(report.fp8_layers[0].tensors, key=lambda t: t.saturated_fraction)
+    assert any(f.startswith("fp8 saturation: layer '0', ") and worst.role in f and "margin" in f
+               for f in findings), findings
+    for line in findings:
+        assert f"- {line}" in stdout
+    assert "<h2>fp8</h2>" in page and "grad_output" in page and "pad to (16, 256)" in page
+
+
+def _with(report: DoctorReport, **changes) -> DoctorReport:
+    """The report with every fp8 tensor of its one layer changed (fault injection for the findings)."""
+    layer = report.fp8_layers[0]
+    tensors = tuple(dataclasses.replace(t, **changes) for t in layer.tensors)
+    return dataclasses.replace(report, fp8_layers=(dataclasses.replace(layer, tensors=tensors),))
+
+
+def test_findings_follow_the_counts(fp8_run):
+    _, report, _, _ = fp8_run
+    clean = _with(report, flushed_fraction=0.0, saturated_fraction=0.0, headroom_bits=1.5)
+    assert render_fp8_findings(clean) == [
+        f"fp8: no value of the 1 fp8 layer(s) flushed or saturated over {STEPS} steps (least headroom: "
+        "'0' input, +1.50 b)"]
+    flushing = _with(report, flushed_fraction=0.25, saturated_fraction=0.0)
+    (line,) = render_fp8_findings(flushing)
+    assert line.startswith("fp8 underflow: layer '0', 25.0% of its input values flushed to zero in fp8_e4m3")
+    assert "skip=0" in line
+    current = _with(report, history_amax=None, saturated_fraction=0.5, flushed_fraction=0.0, headroom_bits=-2.0)
+    (line,) = render_fp8_findings(current)
+    assert "50.0% of its input values exceeded fp8_e4m3's max (last headroom -2.00 b)" in line
+    assert "fp8=current(margin=1)" in line
+    uncounted = _with(report, counted=0, flushed_fraction=None, saturated_fraction=None)
+    assert render_fp8_findings(uncounted) == []
