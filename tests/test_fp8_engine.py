@@ -163,6 +163,23 @@ def test_layer_stats_count_underflow_and_saturation_exactly():
     assert stats.tensor("grad_output").format == "fp8_e5m2"
     with pytest.raises(ValueError, match="valid roles"):
         stats.tensor("bias")
+
+
+def test_values_that_round_down_to_the_max_do_not_count_as_saturated():
+    layer = nn.Sequential(nn.Linear(16, 16, bias=False))
+    MixedPrecision(layer, torch.optim.SGD(layer.parameters(), lr=0.0),
+                   "compute=bf16,fp8=delayed(history=2,pow2=true)")
+    count_fp8_ranges(layer)
+    layer(torch.ones(4, 16)).sum().backward()     # scale 256 from amax 1
+    # At scale 256: 1.8125 -> 464, the tie above e4m3's 448, rounds to even 448 (not saturated);
+    # 1.8 -> 460.8 rounds to 448 too; 1.82 -> 465.9 would round to 480 > 448: saturated.
+    x2 = torch.ones(4, 16)
+    x2[0, :4] = 1.8125
+    x2[0, 4:8] = 1.8
+    x2[0, 8:12] = 1.82
+    layer(x2).sum().backward()
+    (stats,) = fp8_layer_stats(layer)
+    assert stats.tensor("input").saturated_fraction == 4 / 128
     assert fp8_layer_stats(nn.Linear(4, 4)) == ()
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..formats import FP8_E4M3, FP8_E5M2, Format
+from ..formats import FP8_E4M3, FP8_E5M2, Format, quantize
 from ..recipe_fp8 import Fp8Config
 from .matmul import emulated_mm, scaled_mm
 from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, quantize_fp8, record_amax
@@ -139,9 +139,11 @@ class Fp8Linear(nn.Linear):
         if record and self.count_ranges:
             y = x.detach().to(torch.float32) * scale
             mag = y.abs()
-            # |y| <= min_subnormal / 2 rounds to 0 (the tie goes to the even 0); above max saturates.
+            # |y| <= min_subnormal / 2 rounds to 0 (the tie goes to the even 0). Saturated: finite values
+            # that would round above max without the clamp (e4m3's 448 < y <= 464 still round to 448).
             flushed = ((mag <= fmt.min_subnormal / 2) & (y != 0)).sum()
-            saturated = (torch.isfinite(y) & (mag > fmt.max)).sum()
+            rounded = quantize(y, fmt, saturate=False)
+            saturated = (torch.isfinite(y) & ~(rounded.abs() <= fmt.max)).sum()
             counts = getattr(self, f"{role}_counts")
             counts += torch.stack([flushed, saturated, torch.tensor(y.numel(), device=y.device)])
         cast = cast_to_fp8 if self.backend == "scaled_mm" else quantize_fp8

@@ -76,14 +76,11 @@ def render_fp8_findings(report: DoctorReport) -> list[str]:
         n, t = sat
         if delayed:
             fix = ("delayed scaling took the scale from earlier amaxes and this tensor outgrew them: give "
-                   "it a margin (fp8=delayed(margin=1)), use amax=max over a longer history, or current "
-                   f"scaling (recipe fp8), or keep the layer out of fp8 (fp8=delayed(skip={n}))")
-        elif t.headroom_bits > -1e-3:
-            # Current scaling maps amax to F.max; fp32 rounding of amax * scale can land an ulp above
-            # it, which the counter calls saturated although the value rounds to F.max anyway.
-            fix = ("under current scaling these are the largest values, an fp32 ulp above the max after "
-                   "amax * scale: they round to the max anyway, nothing is lost")
+                   "it a margin (fp8=delayed(margin=1)), a longer history (fp8=delayed(history=32)), or "
+                   f"current scaling (recipe fp8), or keep the layer out of fp8 (fp8=delayed(skip={n}))")
         else:
+            # Current scaling maps this cast's own amax to F.max, so saturation means a margin < 0 or
+            # a NaN/inf amax; values that round down to F.max are not counted (fp8/linear.py).
             fix = f"add a margin (fp8=current(margin=1)) or keep the layer out of fp8 (fp8=current(skip={n}))"
         out.append(f"fp8 saturation: layer {n!r}, {percent_text(t.saturated_fraction)} of its {t.role} values "
                    f"exceeded {t.format}'s max (last headroom {_bits(t.headroom_bits)}); {fix}")

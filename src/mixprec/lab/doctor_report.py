@@ -69,6 +69,7 @@ from ..diagnostics.ranges import ModuleRanges, UpdateLoss
 from ..diagnostics.scale_window import ScaleWindow, below_floor, scale_window
 from ..formats import RangeCounts
 from ..fp8.swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport
+from ..recipe import Precision, get_recipe
 from .strict_json import decode_float, dumps
 
 __all__ = ["DOCTOR_SCHEMA_VERSION", "DoctorReport", "LayerRow", "layer_rows", "render_doctor_table",
@@ -330,12 +331,14 @@ def render_findings(report: DoctorReport) -> list[str]:
                f"them to zero or rounds them to 2^-24"
                + (f" (worst: module {worst.name!r}, {percent_text(worst.underflow)})" if worst and worst.underflow
                   else ""))
+    # Only fp16 compute flushes small gradients to zero in the backward (bf16/fp8 recipes keep fp32's range).
+    fp16_unscaled = not report.scaled and get_recipe(report.recipe).compute is Precision.FP16
     dead = [m.name for m in report.modules
             if (g := m.gradients()) is not None and g.count and g.zeros == g.count]
     if dead:
         out.append(f"every gradient value of module{'s' if len(dead) > 1 else ''} "
                    f"{', '.join(repr(n) for n in dead)} was exactly zero"
-                   + ("" if report.scaled else ": without a loss scale, that is what fp16's flush looks like"))
+                   + (": without a loss scale, that is what fp16's flush looks like" if fp16_unscaled else ""))
     if w.low is None:
         out.append("loss scale: no nonzero finite gradients were seen; nothing to recommend")
     elif w.fits:
@@ -358,7 +361,7 @@ def render_findings(report: DoctorReport) -> list[str]:
             f"; at that scale {percent_text(share) if share else 'none'} of the gradients stay below 2^-24"
         out.append(f"the run's loss scaler ended at {report.final_scale:g} after {report.steps} steps "
                    f"({report.skipped_steps} skipped): {where}{at_run}")
-    elif not report.scaled:
+    elif fp16_unscaled:
         out.append("this recipe does not scale the loss: gradients that fp16 flushed during backward were "
                    "counted as zeros, not as small values; run the doctor with scale=dynamic (the default "
                    "fp16 recipe) or fp32 to see their true sizes")
