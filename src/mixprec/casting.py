@@ -153,9 +153,9 @@ def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None,
             for p in module.parameters(recurse=False):
                 if cast_params and id(p) in low:
                     p.data = p.data.to(dtype)
-            for name, buf in module.named_buffers(recurse=False):
+            for buf_name, buf in module.named_buffers(recurse=False):
                 if buf.is_floating_point():
-                    setattr(module, name, buf.to(dtype))
+                    setattr(module, buf_name, buf.to(dtype))
         # Inputs come from fp32 data pipelines; the first layer's weights are low precision.
         handles.append(model.register_forward_pre_hook(
             functools.partial(_cast_inputs_hook, dtype=dtype), with_kwargs=True))
