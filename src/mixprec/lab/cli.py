@@ -33,7 +33,7 @@ from .doctor_cli import add_doctor_parser, plan_from_args, run_and_print
 from .report import CompareReport, render_notes, render_table, short_names
 from .trace import add_trace_parser, plan_trace
 from .trainer import TrainProgress
-from .workloads import BENCHMARKS, WORKLOADS
+from .cli_args import add_device_arg, add_workload_args
 
 __all__ = ["main"]
 
@@ -82,20 +82,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a built-in workload under each recipe from the same initial weights and "
                     "data order; print final train loss, test accuracy, samples/s, skipped steps and "
                     "the final loss scale.")
-    which = compare.add_mutually_exclusive_group()
-    which.add_argument("--workload", default="mlp",
-                       help=f"built-in workload ({', '.join(WORKLOADS)}; default mlp), a benchmark "
-                            f"({', '.join(BENCHMARKS)}), or your own as package.module:function")
-    which.add_argument("--benchmark", choices=list(BENCHMARKS), default=None,
-                       help="shorthand for --workload NAME: synthetic data at realistic sizes, for speed "
-                            "and memory on a GPU")
+    add_workload_args(compare, "(synthetic data at realistic sizes, for speed and memory on a GPU)")
     compare.add_argument("--recipes", nargs="+", metavar="RECIPE", default=None,
                          help="recipe names and/or full recipe strings, joined by commas or spaces, "
                               "e.g. fp32,bf16,params=bf16,compute=bf16,rounding=stochastic "
                               f"(default: {','.join(DEFAULT_RECIPES)})")
     compare.add_argument("--steps", type=int, default=None,
                          help="optimizer steps per recipe (default: the workload's, 500 for mlp)")
-    compare.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    add_device_arg(compare)
     compare.add_argument("--seed", type=int, default=0,
                          help="fixes the initial weights and minibatch order (default: 0)")
     compare.add_argument("--eval-every", type=int, default=None, metavar="K",
@@ -138,15 +132,10 @@ def _add_inspect(commands) -> None:
                     "workloads, or any on a GPU) and every matmul/convolution with its FLOPs, flagging "
                     "dimensions that are not multiples of 8 (fp16/bf16) or 16 (fp8), with the padding "
                     "that fixes them.")
-    which = inspect.add_mutually_exclusive_group()
-    which.add_argument("--workload", default="mlp",
-                       help=f"built-in workload ({', '.join(WORKLOADS)}; default mlp), a benchmark "
-                            f"({', '.join(BENCHMARKS)}), or your own as package.module:function")
-    which.add_argument("--benchmark", choices=list(BENCHMARKS), default=None,
-                       help="shorthand for --workload NAME (predicted only on a CPU)")
+    add_workload_args(inspect, "(predicted only on a CPU)")
     inspect.add_argument("--recipes", nargs="+", metavar="RECIPE", default=None,
                          help=f"recipes as for compare (default: {','.join(DEFAULT_RECIPES)})")
-    inspect.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    add_device_arg(inspect)
     inspect.add_argument("--batch-size", type=int, default=None,
                          help="batch to trace (default: the workload's); try one that is a multiple of 8")
     inspect.add_argument("--json", metavar="PATH", type=Path, default=None,

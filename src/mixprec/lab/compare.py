@@ -20,12 +20,12 @@ import torch
 
 from .. import __version__
 from ..casting import check_module_patterns
-from ..devices import resolve_device, supports
+from ..devices import supports
 from ..recipe import RECIPES, Recipe, get_recipe
 from .multiproc import check_parallel, train_on_ranks
 from .report import CompareReport
-from .trainer import TrainProgress, check_steps, train
-from .workloads import Workload, get_workload
+from .trainer import TrainProgress, check_seed, check_steps, resolve_run, train
+from .workloads import Workload
 
 __all__ = ["DEFAULT_RECIPES", "ComparePlan", "plan_compare", "run_compare"]
 
@@ -71,16 +71,9 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
     (mixprec.lab.multiproc), splitting every global batch between them through DDP or FSDP2.
     """
     workload_spec = workload if isinstance(workload, str) else ""
-    if not isinstance(workload, Workload):
-        workload = get_workload(workload)
-    device = device if isinstance(device, torch.device) else resolve_device(device)
-    if workload.synthetic and device.type == "cpu" and steps is None:
-        # Sized for GPUs: ResNet-50 at batch 256 keeps ~22 GB of fp32 activations for backward.
-        raise ValueError(f"{workload.name} is a GPU benchmark (realistic sizes, synthetic data); run it "
-                         f"with --device cuda, or name --steps N to run it on the CPU anyway")
+    workload, device = resolve_run(workload, device, steps)
     steps = workload.default_steps if steps is None else check_steps(steps)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    seed = check_seed(seed)
     if eval_every is None:
         eval_every = max(1, steps // 10)
     elif isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:

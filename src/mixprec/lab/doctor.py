@@ -28,15 +28,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import __version__
-from ..devices import resolve_device, supports
+from ..devices import supports
 from ..diagnostics.fp8 import count_fp8_ranges, fp8_layer_stats
 from ..diagnostics.ranges import RangeCollector, select_modules
 from ..diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
 from ..engine import MixedPrecision
 from ..recipe import RECIPES, Recipe, get_recipe
 from .doctor_report import DoctorReport
-from .trainer import TrainProgress, batch_order, check_steps
-from .workloads import Workload, get_workload
+from .trainer import TrainProgress, batch_order, check_seed, check_steps, resolve_run
+from .workloads import Workload
 
 __all__ = ["DEFAULT_RECIPE", "DEFAULT_STEPS", "DoctorPlan", "plan_doctor", "run_doctor"]
 
@@ -64,15 +64,9 @@ def plan_doctor(workload: str | Workload = "mlp", recipe: str | Recipe = DEFAULT
     Builds the workload's model once (on the CPU, the caller's random state untouched) to check that
     it has trainable parameters and that ``modules`` name real submodules.
     """
-    if not isinstance(workload, Workload):
-        workload = get_workload(workload)
-    device = device if isinstance(device, torch.device) else resolve_device(device)
-    if workload.synthetic and device.type == "cpu" and steps is None:
-        raise ValueError(f"{workload.name} is a GPU benchmark (realistic sizes, synthetic data); run it "
-                         f"with --device cuda, or name --steps N to run it on the CPU anyway")
+    workload, device = resolve_run(workload, device, steps)
     steps = DEFAULT_STEPS if steps is None else check_steps(steps)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    seed = check_seed(seed)
     recipe = get_recipe(recipe)
     support = supports(recipe, device)
     if not support.ok:

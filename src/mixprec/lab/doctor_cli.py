@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .cli_args import add_device_arg
 from .doctor import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
 from .doctor_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .doctor_report import DoctorReport, render_doctor_table, render_findings
@@ -45,7 +46,7 @@ def add_doctor_parser(commands: argparse._SubParsersAction) -> argparse.Argument
                              "lets the doctor see gradients fp16 alone would flush)")
     doctor.add_argument("--steps", type=int, default=None,
                         help=f"training steps, statistics collected on each (default {DEFAULT_STEPS})")
-    doctor.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    add_device_arg(doctor)
     doctor.add_argument("--seed", type=int, default=0, help="initial weights and batch order (default 0)")
     doctor.add_argument("--modules", default=None, metavar="NAMES",
                         help="only these modules (and what they contain), comma-separated qualified "

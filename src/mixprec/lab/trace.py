@@ -25,7 +25,8 @@ from ..devices import resolve_device, supports
 from ..diagnostics.optrace import OpTrace, trace_ops
 from ..oplists import op_list_mode
 from ..recipe import RECIPES, Recipe, get_recipe
-from .workloads import BENCHMARKS, WORKLOADS, get_workload
+from .cli_args import add_device_arg, add_workload_args
+from .workloads import get_workload
 
 __all__ = ["add_trace_parser", "plan_trace", "render_trace"]
 
@@ -37,16 +38,11 @@ def add_trace_parser(commands: argparse._SubParsersAction) -> None:
         description="Run one forward and backward of a workload's first batch under a recipe and list "
                     "every op (aten name) with its input and output dtypes, grouped by module. View "
                     "ops are left out; casts show as _to_copy.")
-    which = trace.add_mutually_exclusive_group()
-    which.add_argument("--workload", default="mlp",
-                       help=f"built-in workload ({', '.join(WORKLOADS)}; default mlp), a benchmark "
-                            f"({', '.join(BENCHMARKS)}), or your own as package.module:function")
-    which.add_argument("--benchmark", choices=list(BENCHMARKS), default=None,
-                       help="shorthand for --workload NAME (synthetic data at realistic sizes)")
+    add_workload_args(trace, "(synthetic data at realistic sizes)")
     trace.add_argument("--recipe", default="bf16",
                        help="a recipe name or string, e.g. bf16,fp32_ops=softmax+layer_norm,"
                             "modules=lm_head:fp32 (default: bf16)")
-    trace.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    add_device_arg(trace)
     trace.add_argument("--batch-size", type=int, default=None,
                        help="rows in the traced batch (default: the workload's batch size)")
     trace.add_argument("--seed", type=int, default=0, help="fixes the initial weights (default: 0)")

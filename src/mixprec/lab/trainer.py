@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..devices import resolve_device
 from ..diagnostics.memory import MemoryBreakdown, SavedTensorMeter, state_bytes
 from ..distributed import shard_model, wrap_ddp
 from ..engine import MixedPrecision
 from ..recipe import Recipe, get_recipe
-from .workloads import Workload
+from .workloads import Workload, get_workload
 
 __all__ = ["TrainProgress", "RunResult", "train", "batch_order", "warmup_steps", "check_steps"]
 
@@ -77,6 +78,29 @@ def check_steps(steps: object) -> int:
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}: pass e.g. --steps 500")
     return steps
+
+
+def check_seed(seed: object) -> int:
+    """``seed`` if it is a non-negative int, else a ValueError."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return seed
+
+
+def resolve_run(workload: str | Workload, device: str | torch.device | None,
+                steps: int | None) -> tuple[Workload, torch.device]:
+    """The workload and device a run names; a GPU benchmark on a CPU needs an explicit ``steps``.
+
+    Benchmarks are sized for GPUs (ResNet-50 at batch 256 keeps ~22 GB of fp32 activations for
+    backward), so on a CPU they run only when the user names how many steps to spend.
+    """
+    if not isinstance(workload, Workload):
+        workload = get_workload(workload)
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    if workload.synthetic and device.type == "cpu" and steps is None:
+        raise ValueError(f"{workload.name} is a GPU benchmark (realistic sizes, synthetic data); run it "
+                         f"with --device cuda, or name --steps N to run it on the CPU anyway")
+    return workload, device
 
 
 def warmup_steps(steps: int) -> int:
