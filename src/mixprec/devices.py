@@ -11,13 +11,14 @@ Nothing here runs at import; every probe looks at the hardware when it is called
 
 from __future__ import annotations
 
+import platform
 from typing import NamedTuple
 
 import torch
 
 from .recipe import Precision, Recipe
 
-__all__ = ["Support", "supports", "resolve_device"]
+__all__ = ["Support", "supports", "resolve_device", "device_name"]
 
 
 class Support(NamedTuple):
@@ -67,3 +68,12 @@ def resolve_device(word: str | None) -> torch.device:
         raise ValueError(f"device {word!r} asked for, but only {torch.cuda.device_count()} CUDA GPU(s) are "
                          f"visible (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     return device
+
+
+def device_name(device: torch.device) -> str:
+    """A readable name for reports: the GPU's model, or the CPU's architecture."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"{platform.machine() or 'unknown'} CPU"
+    return device.type

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import platform
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .. import __version__
 from ..casting import check_module_patterns
-from ..devices import supports
+from ..devices import device_name, supports
 from ..recipe import RECIPES, Recipe, get_recipe
 from .multiproc import check_parallel, train_on_ranks
 from .report import CompareReport
@@ -114,16 +113,9 @@ def run_compare(plan: ComparePlan,
     return CompareReport(
         workload=plan.workload.name, metric=plan.workload.metric_name,
         device=str(plan.device) + (f" x{plan.nproc} ({plan.parallel})" if plan.nproc > 1 else ""),
-        device_name=_device_name(plan.device), threads=torch.get_num_threads(),
+        device_name=device_name(plan.device), threads=torch.get_num_threads(),
         torch_version=torch.__version__, mixprec_version=__version__, steps=plan.steps,
         batch_size=plan.workload.batch_size, seed=plan.seed, runs=tuple(runs),
         tokens_per_sample=plan.workload.tokens_per_sample,
         higher_is_better=plan.workload.higher_is_better, synthetic=plan.workload.synthetic)
 
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "cpu":
-        return f"{platform.machine() or 'unknown'} CPU"
-    return device.type

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import platform
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .. import __version__
-from ..devices import supports
+from ..devices import device_name, supports
 from ..diagnostics.fp8 import count_fp8_ranges, fp8_layer_stats
 from ..diagnostics.ranges import RangeCollector, select_modules
 from ..diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
@@ -125,17 +124,10 @@ def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | 
     fp8 = fp8_layer_stats(model) if mp.fp8_report is not None else ()     # one host sync
     return DoctorReport(
         workload=w.name, recipe=str(plan.recipe), label=plan.recipe.label, device=str(device),
-        device_name=_device_name(device), torch_version=torch.__version__, mixprec_version=__version__,
+        device_name=device_name(device), torch_version=torch.__version__, mixprec_version=__version__,
         steps=plan.steps, batch_size=w.batch_size, seed=plan.seed,
         losses=tuple(torch.stack(losses_t).float().tolist()), scales=tuple(torch.stack(scales_t).tolist()),
         skipped_steps=mp.skipped_steps, scaled=plan.recipe.loss_scale.kind != "none",
         small_fraction=SMALL_FRACTION, margin=MARGIN, modules=ranges.modules,
         window=scale_window(ranges.gradients()), fp8_layers=fp8, fp8_swap=mp.fp8_report)
 
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "cpu":
-        return f"{platform.machine() or 'unknown'} CPU"
-    return device.type
