@@ -23,7 +23,7 @@ from torch import nn
 
 import mixprec
 from mixprec.distributed import wrap_ddp
-from mixprec.spawn import default_backend, run_processes
+from mixprec.distributed import default_backend, run_processes
 
 
 def _model(width: int, device) -> nn.Module:

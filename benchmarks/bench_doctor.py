@@ -23,7 +23,7 @@ import time
 import torch
 
 import mixprec
-from mixprec.diagnostics.ranges import RangeCollector
+from mixprec.diagnostics.range_collector import RangeCollector
 from mixprec.lab.workloads import get_workload
 
 

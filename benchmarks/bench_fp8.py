@@ -24,7 +24,8 @@ import time
 import torch
 from torch import nn
 
-from mixprec import Fp8Config, Fp8Linear
+from mixprec import Fp8Config
+from mixprec.fp8 import Fp8Linear
 from mixprec.fp8 import probe_scaled_mm
 
 

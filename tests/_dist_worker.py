@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.dist_checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
+from mixprec.distributed import load_distributed_checkpoint, save_distributed_checkpoint
 from mixprec.distributed import shard_model, wrap_ddp
 
 GLOBAL_BATCH = 32

@@ -16,7 +16,7 @@ import torch
 
 import _dist_worker as W
 from mixprec.distributed import GradSync, SyncKind, fsdp_policy, shard_model, wrap_ddp
-from mixprec.spawn import run_processes
+from mixprec.distributed import run_processes
 
 PLANTS = {2: (0, math.inf), 4: (1, math.nan)}
 SKIPS = [False, False, True, False, True, False]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mixprec.diagnostics.ranges import KINDS
+from mixprec.diagnostics.range_collector import KINDS
 from mixprec.lab.cli import main
 from mixprec.lab.doctor_fp8 import fp8_swap_lines, render_fp8_findings
 from mixprec.lab.doctor_report import DoctorReport, layer_rows

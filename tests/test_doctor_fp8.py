@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from mixprec import MixedPrecision, count_fp8_ranges, fp8_layer_stats
+from mixprec import MixedPrecision
+from mixprec.fp8 import count_fp8_ranges, fp8_layer_stats
 from mixprec.lab.cli import main
 from mixprec.lab.doctor_fp8 import render_fp8_findings, render_fp8_table
 from mixprec.lab.doctor_report import DoctorReport

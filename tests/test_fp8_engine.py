@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import (Fp8Config, Fp8EmulationWarning, Fp8Linear, Fp8Reason, MixedPrecision, count_fp8_ranges,
-                     fp8_layer_stats, get_recipe, parse_recipe, supports)
+from mixprec import Fp8Config, Fp8EmulationWarning, MixedPrecision, get_recipe, parse_recipe, supports
+from mixprec.fp8 import Fp8Linear, Fp8Reason, count_fp8_ranges, fp8_layer_stats
 from mixprec.fp8 import matmul
 
 
@@ -99,7 +99,7 @@ def test_fp8_filter_needs_an_fp8_recipe():
 
 def test_without_fp8_matmuls_the_emulation_runs_with_one_notice(monkeypatch):
     no = mixprec.Support(False, "pretend device without fp8")
-    monkeypatch.setattr(matmul, "probe_scaled_mm", lambda device: no)
+    monkeypatch.setattr(mixprec.devices, "probe_scaled_mm", lambda device: no)
     monkeypatch.setattr(mixprec.fp8.swap, "probe_scaled_mm", lambda device: no)
     with pytest.warns(Fp8EmulationWarning, match="emulated on cpu.*pretend device") as record:
         mp = engine("fp8")

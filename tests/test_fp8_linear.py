@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import Fp8Config, Fp8Linear
+from mixprec import Fp8Config
+from mixprec.fp8 import Fp8Linear
 from mixprec.fp8 import probe_scaled_mm
 from mixprec.lab.trainer import train
 from mixprec.lab.workloads import get_workload

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from mixprec import FP8_E4M3, FP8_E5M2, quantize
+from mixprec import FP8_E4M3, FP8_E5M2
+from mixprec.formats import quantize
 from mixprec.fp8 import (amax_f32, cast_to_fp8, current_scale, delayed_scale, emulated_mm, probe_scaled_mm,
                          quantize_fp8, record_amax, scaled_mm)
 

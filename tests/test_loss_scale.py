@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixprec import DynamicLossScale, LossScaleConfig, NoLossScale, StaticLossScale
+from mixprec import LossScaleConfig
+from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
 
 T, F = torch.tensor(True), torch.tensor(False)
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import mixprec
-from mixprec.diagnostics.nonfinite import NonfiniteTracer
+from mixprec.nonfinite import NonfiniteTracer
 
 
 class _TimesInBackward(torch.autograd.Function):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec import OpTrace, trace_ops
+from mixprec.diagnostics import OpTrace, trace_ops
 from mixprec.lab.cli import main
 
 

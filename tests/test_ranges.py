@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.diagnostics.range_stats import RANGE_FORMATS, RangeHistogram, TensorStats, format_thresholds
-from mixprec.diagnostics.ranges import RangeCollector, select_modules, update_lost
+from mixprec.diagnostics.range_histogram import RANGE_FORMATS, RangeHistogram, TensorStats, format_thresholds
+from mixprec.diagnostics.range_collector import RangeCollector, select_modules, update_lost
 from mixprec.diagnostics.scale_window import below_floor, scale_window
 from mixprec.formats import FP16, TF32, classify, quantize
 
@@ -96,7 +96,7 @@ def test_scale_applies_in_fp32_to_low_precision_input():
 @pytest.mark.parametrize("piece", [1000, 1 << 19])
 def test_segments_count_as_separate_adds(monkeypatch, piece):
     # Pieces of 1000 values make segments start, end and span pieces (and the empty one in between).
-    import mixprec.diagnostics.range_stats as range_stats
+    import mixprec.diagnostics.range_histogram as range_stats
     monkeypatch.setattr(range_stats, "_PIECE", piece)
     fmt = RANGE_FORMATS[0]
     edges = torch.tensor([b + d for b in format_thresholds(fmt) for d in (-1, 0, 1)], dtype=torch.int32)
@@ -299,7 +299,7 @@ def test_tied_weights_are_counted_once():
 @pytest.mark.parametrize("group", [1 << 19, 20])
 def test_lost_updates_per_module_equal_update_lost(monkeypatch, group):
     # Groups of 20 values split the model's modules into several passes (and its biases into their own).
-    import mixprec.diagnostics.ranges as ranges
+    import mixprec.diagnostics.range_collector as ranges
     monkeypatch.setattr(ranges, "_LOST_GROUP", group)
     model = tiny_model()
     mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=3e-4), "fp32")

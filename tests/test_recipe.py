@@ -6,8 +6,10 @@ import pickle
 import pytest
 import torch
 
-from mixprec import (RECIPES, LossScaleConfig, OpPolicy, Precision, Recipe, Rounding, get_recipe,
-                     parse_recipe)
+from mixprec import LossScaleConfig, Precision, RECIPES, Recipe, get_recipe, parse_recipe
+from mixprec.oplists import OpPolicy
+from mixprec.formats import FP16
+from mixprec.recipe import AmaxAlgorithm, Fp8Backend, Fp8Config, LossScaleKind, Rounding
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -106,13 +108,42 @@ def test_bad_recipes_name_the_problem(text, words):
 
 
 def test_fp16_without_scaling_needs_to_be_spelled_out():
-    with pytest.raises(ValueError, match="spell scale=none"):
-        Recipe(compute=Precision.FP16, loss_scale=LossScaleConfig(kind="none"))
-    assert parse_recipe("compute=fp16,scale=none").loss_scale.kind == "none"
+    # Left out, the loss scale is the compute precision's default: dynamic for fp16, as in the grammar.
+    assert Recipe(compute=Precision.FP16).loss_scale == LossScaleConfig(kind=LossScaleKind.DYNAMIC)
+    assert Recipe(compute=Precision.FP16) == parse_recipe("compute=fp16") == get_recipe("fp16")
+    assert Recipe(compute=Precision.BF16).loss_scale.kind is LossScaleKind.NONE
+    # fp16 without scaling is spelled out, from Python and in the grammar alike, and round-trips.
+    unscaled = Recipe(compute=Precision.FP16, loss_scale=LossScaleConfig(kind=LossScaleKind.NONE))
+    assert parse_recipe("compute=fp16,scale=none") == unscaled
+    assert parse_recipe(str(unscaled)) == unscaled and unscaled != get_recipe("fp16")
+
+
+def test_recipe_is_built_canonical_by_its_constructor():
+    a = Recipe(compute=Precision.BF16, fp32_ops=["softmax", "layer_norm", "softmax"])
+    assert a.fp32_ops == ("layer_norm", "softmax")
+    assert a == parse_recipe("bf16,fp32_ops=layer_norm+softmax")
+    assert dataclasses.replace(a, low_ops=("bmm",)).low_ops == ("bmm",)
+    with pytest.raises(TypeError, match="not a string"):
+        Recipe(compute=Precision.BF16, fp32_ops="softmax")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.compute = Precision.FP16
+
+
+def test_closed_sets_are_enums_that_still_compare_to_their_words():
+    r = get_recipe("fp8-delayed")
+    assert r.fp8.amax is AmaxAlgorithm.MAX and r.fp8.amax == "max"
+    assert parse_recipe("compute=bf16,fp8=delayed(amax=recent,backend=emulate)").fp8.backend is Fp8Backend.EMULATE
+    assert LossScaleConfig.parse("static:8").kind is LossScaleKind.STATIC
+    with pytest.raises(ValueError, match="valid values: max, recent"):
+        Fp8Config(amax="largest")
+    with pytest.raises(ValueError, match="valid values: none, static, dynamic"):
+        LossScaleConfig(kind="adaptive")
+    assert Precision.FP16.format is FP16 and Precision.TF32.dtype == torch.float32
 
 
 def test_fp8_recipes_sit_on_a_bf16_base():
-    from mixprec import Fp8Config, Fp8Scaling
+    from mixprec import Fp8Config
+    from mixprec.recipe import Fp8Scaling
     fp8, delayed = RECIPES["fp8"], RECIPES["fp8-delayed"]
     assert fp8.compute is Precision.BF16 and fp8.fp8 == Fp8Config() and fp8.fp8.scaling is Fp8Scaling.CURRENT
     assert delayed.fp8.delayed and (delayed.fp8.history, delayed.fp8.amax) == (16, "max")

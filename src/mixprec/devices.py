@@ -11,6 +11,7 @@ Nothing here runs at import; every probe looks at the hardware when it is called
 
 from __future__ import annotations
 
+import functools
 import platform
 from typing import NamedTuple
 
@@ -18,7 +19,9 @@ import torch
 
 from .recipe import Precision, Recipe
 
-__all__ = ["Support", "supports", "resolve_device", "device_name"]
+__all__ = ["Support", "supports", "probe_scaled_mm", "resolve_device", "device_name"]
+
+_CUDA_FP8_CAPABILITY = (8, 9)   # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores
 
 
 class Support(NamedTuple):
@@ -47,11 +50,42 @@ def supports(recipe: Recipe, device: torch.device | str) -> Support:
                                   "Ampere, or later): use fp16")
     if recipe.fp8 is not None and recipe.fp8.backend == "scaled_mm":
         # backend=auto runs anywhere (emulated where torch._scaled_mm cannot); scaled_mm was demanded.
-        from .fp8.matmul import probe_scaled_mm   # here: fp8.matmul imports this module's Support
         fp8 = probe_scaled_mm(device)
         if not fp8.ok:
             return Support(False, f"{fp8.reason}: use fp8 backend=auto (emulates) or a bf16 recipe")
     return Support(True)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device: str) -> Support:
+    if not hasattr(torch, "_scaled_mm"):
+        return Support(False, f"torch {torch.__version__} has no torch._scaled_mm")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        if cap < _CUDA_FP8_CAPABILITY:
+            return Support(False, f"{dev} is compute capability {cap[0]}.{cap[1]}; fp8 matmuls need 8.9 "
+                                  "(Ada) or 9.0 (Hopper) or later")
+    try:
+        one = torch.ones((), device=dev)
+        a = torch.ones(16, 16, device=dev).to(torch.float8_e5m2)       # the backward's e5m2 x e4m3
+        b = torch.ones(16, 16, device=dev).to(torch.float8_e4m3fn).t()
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=out_dtype)
+            if float(out[0, 0]) != 16.0:   # the probe's one host sync
+                return Support(False, f"torch._scaled_mm on {dev} gave a wrong result")
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return Support(False, f"torch._scaled_mm does not run on {dev} with this torch build "
+                              f"({str(exc).splitlines()[0][:120]})")
+    return Support(True)
+
+
+def probe_scaled_mm(device: torch.device | str) -> Support:
+    """Whether ``torch._scaled_mm`` runs fp8 (e4m3 and e5m2) matmuls on ``device``, and if not, why.
+
+    Runs one tiny matmul the first time a device is asked about (one host sync); cached afterwards.
+    """
+    return _probe(str(torch.device(device)))
 
 
 def resolve_device(word: str | None) -> torch.device:

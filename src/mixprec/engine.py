@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,18 +34,27 @@ from torch.utils.hooks import RemovableHandle
 
 from .casting import cast_model, keeps_fp32, low_precision_params
 from .devices import supports
-from .distributed import GradSync, SyncKind, local_shard
+from .grad_sync import GradSync, SyncKind, local_shard
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
 from .master import MasterWeights
+from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
 from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
 
-if TYPE_CHECKING:   # for the annotation only: the tracer is imported when trace_nonfinite=True
-    from .diagnostics.nonfinite import NonfiniteOrigin
+__all__ = ["MixedPrecision", "StepResult", "StepObserver", "Fp8EmulationWarning"]
 
-__all__ = ["MixedPrecision", "StepResult", "Fp8EmulationWarning"]
+
+class StepObserver(Protocol):
+    """What ``MixedPrecision.add_step_observer`` calls in every step (e.g. the doctor's RangeCollector)."""
+
+    def before_step(self, engine: MixedPrecision) -> None:
+        """Gradients gathered (fp32 copies filled) and still multiplied by ``engine.loss_scale.value``."""
+
+    def after_step(self, engine: MixedPrecision, found_inf: torch.Tensor) -> None:
+        """The optimizer stepped or skipped (``found_inf``, a () bool tensor, says which); fp32 copies
+        are not yet rounded into the model."""
 
 
 class Fp8EmulationWarning(UserWarning):
@@ -119,8 +128,8 @@ class MixedPrecision:
 
     ``trace_nonfinite=True`` watches every op of the forward (inside ``autocast()``) and the backward
     (inside ``backward()``) and, after a step whose gradients were not finite, ``last_overflow`` names
-    the module and aten op where the first inf/NaN appeared (``diagnostics.nonfinite``). Off by
-    default; off installs nothing and imports nothing.
+    the module and aten op where the first inf/NaN appeared (``mixprec.nonfinite``). Off by
+    default; off installs nothing.
 
     ``process_group`` says how the overflow flag and that norm are shared across ranks, so every
     rank skips, clips and updates its loss scale alike (mixprec.distributed): ``"auto"`` detects
@@ -192,11 +201,9 @@ class MixedPrecision:
         self._overflow_check: tuple | None = None    # (found_inf, scale, traced ops) of the last step
         self._overflow = None
         if trace_nonfinite:
-            # Imported only when asked for: diagnostics.nonfinite depends on torch and formats only.
-            from .diagnostics.nonfinite import NonfiniteTracer
             self._nonfinite = NonfiniteTracer(model)
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
-        self._step_observers: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
@@ -322,23 +329,36 @@ class MixedPrecision:
                              "MixedPrecision(..., trace_nonfinite=True)")
         if self._overflow_check is None:
             return None
-        from .diagnostics.nonfinite import first_nonfinite
         found_inf, scale, records = self._overflow_check
         if self._overflow is None and bool(found_inf):
             self._overflow = first_nonfinite(records, loss_scale=float(scale))
         return self._overflow
-    def add_step_observer(self, observer: Any) -> RemovableHandle:
+
+    def add_step_observer(self, observer: StepObserver) -> RemovableHandle:
         """Call ``observer.before_step(engine)`` and ``observer.after_step(engine, found_inf)`` in every step.
 
         ``before_step`` runs once the gradients are gathered (fp32 copies filled) and still scaled by
         the loss scale ``engine.loss_scale.value``; ``after_step`` once the optimizer has stepped or
         skipped (``found_inf``, a () bool tensor, says which) and before fp32 copies are rounded into
-        the model. For diagnostics (``diagnostics.ranges.RangeCollector``); ``handle.remove()`` detaches
+        the model. For diagnostics (``mixprec.diagnostics.RangeCollector``); ``handle.remove()`` detaches
         it. With no observer, step() does nothing extra.
         """
         handle = RemovableHandle(self._step_observers)
         self._step_observers[handle.id] = observer
         return handle
+
+    def install_grad_sync(self, sync: GradSync) -> None:
+        """Reduce the gradient norm and overflow flag with ``sync`` from the next ``step()`` on.
+
+        ``mixprec.distributed.wrap_ddp`` builds the replicated ``GradSync`` for a model it wrapped after
+        this engine was built on the plain model; the engine only ever changes its own state here.
+        """
+        if not isinstance(sync, GradSync):
+            raise TypeError(f"install_grad_sync takes a GradSync, got {type(sync).__name__}")
+        if self.grad_sync.kind is not SyncKind.LOCAL:
+            raise ValueError(f"this engine already reduces over ranks ({self.grad_sync.kind.value}); "
+                             "a GradSync is installed once, on an engine built on the plain model")
+        self.grad_sync = sync
 
     # ----------------------------------------------------------------- helpers
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -25,7 +25,9 @@ __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "m
 class LossScale(Protocol):
     """What the engine needs from a loss scale. "Off" is a variant: NoLossScale."""
 
-    value: torch.Tensor   # () float32 on the device: the current scale S
+    value: torch.Tensor     # () float32 on the device: the current scale S
+    steps: torch.Tensor     # () int64: update() calls so far, skipped ones included
+    skipped: torch.Tensor   # () int64: of those, the steps skipped for non-finite gradients
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
     def update(self, found_inf: torch.Tensor) -> None: ...

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.diagnostics.range_stats import RangeHistogram
-from mixprec.diagnostics.ranges import RangeCollector, update_lost
+from mixprec.diagnostics.range_histogram import RangeHistogram
+from mixprec.diagnostics.range_collector import RangeCollector, update_lost
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]

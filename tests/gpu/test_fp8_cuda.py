@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import FP8_E4M3, FP8_E5M2, Fp8Config, Fp8Linear
+from mixprec import FP8_E4M3, FP8_E5M2, Fp8Config
+from mixprec.fp8 import Fp8Linear
 from mixprec.fp8 import cast_to_fp8, current_scale, emulated_mm, probe_scaled_mm, quantize_fp8, scaled_mm
 
 pytestmark = [pytest.mark.gpu,

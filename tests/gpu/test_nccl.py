@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/_dist_worker.py
 import _dist_worker as W  # noqa: E402
-from mixprec.spawn import run_processes  # noqa: E402
+from mixprec.distributed import run_processes  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible"),

@@ -44,7 +44,7 @@ def test_trace_and_module_regions_on_cuda():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)).cuda()
     x, y = torch.randn(8, 32, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
-    trace = mixprec.trace_ops(model, "fp16,modules=2:fp32", lambda m: F.cross_entropy(m(x), y))
+    trace = mixprec.diagnostics.trace_ops(model, "fp16,modules=2:fp32", lambda m: F.cross_entropy(m(x), y))
     assert trace.select(module="0", phase="forward", op="addmm")[0].output == "fp16"
     assert trace.select(module="2", phase="forward", op="addmm")[0].output == "fp32"
     assert trace.select(module="0", phase="backward", op="mm")[0].output == "fp16"

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..distributed import local_shard
+from ..grad_sync import local_shard
 
 __all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes", "storage_key"]
 

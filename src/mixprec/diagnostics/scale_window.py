@@ -27,7 +27,7 @@ import dataclasses
 import math
 
 from ..formats import FP16
-from .range_stats import TensorStats
+from .range_histogram import TensorStats
 
 __all__ = ["MARGIN", "SMALL_FRACTION", "ScaleWindow", "below_floor", "scale_window"]
 

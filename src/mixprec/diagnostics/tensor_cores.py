@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .module_scope import ModuleScope
+from ..module_scope import ModuleScope
 from .shadow import meta_copy, meta_like
 
 __all__ = ["MatmulOp", "Fix", "TensorCoreReport", "trace_matmuls", "alignment", "padded_size",

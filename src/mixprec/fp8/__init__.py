@@ -1,17 +1,22 @@
 """fp8 training: per-tensor scaling (scaling.py), scaled matmuls (matmul.py), the fp8 linear layer
-(linear.py) and the swap of eligible ``nn.Linear`` layers with its report (swap.py).
+(linear.py), the swap of eligible ``nn.Linear`` layers with its report (swap.py), the scale state in
+checkpoints (state.py) and per-layer scale/amax/headroom statistics (stats.py). The fp8 part of a
+recipe, ``Fp8Config``, lives with the recipes (``mixprec.recipe.fp8``) and is re-exported here.
 
 The engine swaps layers when a recipe has ``fp8=...``; these names are for users who want the layer,
 the scales or the report on their own.
 """
 
+from ..recipe.fp8 import Fp8Config, Fp8Scaling
 from .linear import ROLES, Fp8Linear
 from .matmul import emulated_mm, probe_scaled_mm, scaled_mm
 from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, quantize_fp8, record_amax
+from .stats import Fp8LayerStats, Fp8TensorStats, count_fp8_ranges, fp8_layer_stats
 from .swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport, resolve_backend, swap_to_fp8
 
 __all__ = [
     "Fp8Linear", "ROLES", "probe_scaled_mm", "scaled_mm", "emulated_mm",
     "amax_f32", "current_scale", "delayed_scale", "record_amax", "cast_to_fp8", "quantize_fp8",
     "Fp8Reason", "Fp8LayerDecision", "Fp8SwapReport", "swap_to_fp8", "resolve_backend",
+    "Fp8Config", "Fp8Scaling", "Fp8LayerStats", "Fp8TensorStats", "fp8_layer_stats", "count_fp8_ranges",
 ]

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..formats import FP8_E4M3, FP8_E5M2, Format, quantize
-from ..recipe_fp8 import Fp8Config
+from ..recipe.fp8 import Fp8Config
 from .matmul import emulated_mm, scaled_mm
 from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, quantize_fp8, record_amax
 
@@ -102,7 +102,7 @@ class Fp8Linear(nn.Linear):
         if backend not in ("scaled_mm", "emulate"):
             raise ValueError(f"Fp8Linear backend must be 'scaled_mm' or 'emulate', got {backend!r}")
         self.fp8_config, self.backend = config, backend
-        self.count_ranges = False   # set by diagnostics.fp8.count_fp8_ranges: exact per-cast counts
+        self.count_ranges = False   # set by fp8.stats.count_fp8_ranges: exact per-cast counts
         device = self.weight.device
         for role in ROLES:
             # Non-persistent: model.state_dict() stays nn.Linear's; the engine saves these itself.

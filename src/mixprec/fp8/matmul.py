@@ -11,54 +11,18 @@ accumulation and rounds once to ``out_dtype``; ``a`` and ``b`` hold fp8 values (
   the same two scale multiplies, one rounding to ``out_dtype``. Agrees with ``scaled_mm`` to within
   the output dtype's rounding (fp32 sums in another order can differ in the last bits).
 
-    >>> probe_scaled_mm("cpu")           # doctest: +SKIP
-    Support(ok=True, reason='')
+Whether the device runs ``torch._scaled_mm`` is ``mixprec.devices.probe_scaled_mm``'s answer.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..devices import Support
+from ..devices import probe_scaled_mm
 
 __all__ = ["probe_scaled_mm", "scaled_mm", "emulated_mm"]
 
-_CUDA_FP8_CAPABILITY = (8, 9)   # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores
 _CUDA_ALIGN = 16                # cuBLASLt fp8 GEMMs need these dimensions in multiples of 16 elements
-
-
-@functools.lru_cache(maxsize=None)
-def _probe(device: str) -> Support:
-    if not hasattr(torch, "_scaled_mm"):
-        return Support(False, f"torch {torch.__version__} has no torch._scaled_mm")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        cap = torch.cuda.get_device_capability(dev)
-        if cap < _CUDA_FP8_CAPABILITY:
-            return Support(False, f"{dev} is compute capability {cap[0]}.{cap[1]}; fp8 matmuls need 8.9 "
-                                  "(Ada) or 9.0 (Hopper) or later")
-    try:
-        one = torch.ones((), device=dev)
-        a = torch.ones(16, 16, device=dev).to(torch.float8_e5m2)       # the backward's e5m2 x e4m3
-        b = torch.ones(16, 16, device=dev).to(torch.float8_e4m3fn).t()
-        for out_dtype in (torch.float32, torch.bfloat16):
-            out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=out_dtype)
-            if float(out[0, 0]) != 16.0:   # the probe's one host sync
-                return Support(False, f"torch._scaled_mm on {dev} gave a wrong result")
-    except (RuntimeError, TypeError, NotImplementedError) as exc:
-        return Support(False, f"torch._scaled_mm does not run on {dev} with this torch build "
-                              f"({str(exc).splitlines()[0][:120]})")
-    return Support(True)
-
-
-def probe_scaled_mm(device: torch.device | str) -> Support:
-    """Whether ``torch._scaled_mm`` runs fp8 (e4m3 and e5m2) matmuls on ``device``, and if not, why.
-
-    Runs one tiny matmul the first time a device is asked about (one host sync); cached afterwards.
-    """
-    return _probe(str(torch.device(device)))
 
 
 def _cuda_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

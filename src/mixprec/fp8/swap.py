@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..recipe_fp8 import Fp8Config
+from ..recipe.fp8 import Fp8Config
 from .linear import Fp8Linear
 from .matmul import probe_scaled_mm
 

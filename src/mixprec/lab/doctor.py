@@ -2,7 +2,7 @@
 
 Two phases, like compare: ``plan_doctor`` checks every input (workload, recipe and device, steps, seed,
 module names) before anything trains; ``run_doctor`` trains with a
-:class:`~mixprec.diagnostics.ranges.RangeCollector` open on every step and returns a typed
+:class:`~mixprec.diagnostics.range_collector.RangeCollector` open on every step and returns a typed
 :class:`~mixprec.lab.doctor_report.DoctorReport`::
 
     plan = plan_doctor("mlp", "fp16", steps=20, device="cpu")
@@ -28,8 +28,8 @@ import torch
 
 from .. import __version__
 from ..devices import device_name, supports
-from ..diagnostics.fp8 import count_fp8_ranges, fp8_layer_stats
-from ..diagnostics.ranges import RangeCollector, select_modules
+from ..fp8.stats import count_fp8_ranges, fp8_layer_stats
+from ..diagnostics.range_collector import RangeCollector, select_modules
 from ..diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
 from ..engine import MixedPrecision
 from ..recipe import RECIPES, Recipe, get_recipe

@@ -20,7 +20,7 @@ import math
 from rich import box
 from rich.table import Table
 
-from ..diagnostics.fp8 import Fp8TensorStats
+from ..fp8.stats import Fp8TensorStats
 from ..fp8.swap import Fp8SwapReport
 from .doctor_report import DoctorReport, percent_text
 

@@ -20,8 +20,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from rich.table import Table
 
-from ..diagnostics.range_stats import RANGE_FORMATS, TensorStats
-from ..diagnostics.ranges import KINDS
+from ..diagnostics.range_histogram import RANGE_FORMATS, TensorStats
+from ..diagnostics.range_collector import KINDS
 from .doctor_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .doctor_report import (DoctorReport, _exp_of, percent_text, pow2_text, render_doctor_table,
                             render_findings)

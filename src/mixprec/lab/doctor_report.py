@@ -32,7 +32,7 @@ JSON schema, version 1 (one object; strict JSON: non-finite floats are the strin
       window         object   this module's own loss-scale window (same fields as above); written
                               for readers, recomputed from stats when read back
     fp8_layers       list     fp8 recipes only (else []; absent in older files: read as []): per fp8
-                              linear, in model order (diagnostics.fp8.fp8_layer_stats after the run):
+                              linear, in model order (fp8.stats.fp8_layer_stats after the run):
       name           str;  out_features, in_features   int
       tensors        list     per role "input", "weight", "grad_output":
         role, format str      format "fp8_e4m3" or "fp8_e5m2"
@@ -63,9 +63,9 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from ..diagnostics.fp8 import Fp8LayerStats, Fp8TensorStats
-from ..diagnostics.range_stats import TensorStats
-from ..diagnostics.ranges import ModuleRanges, UpdateLoss
+from ..fp8.stats import Fp8LayerStats, Fp8TensorStats
+from ..diagnostics.range_histogram import TensorStats
+from ..diagnostics.range_collector import ModuleRanges, UpdateLoss
 from ..diagnostics.scale_window import ScaleWindow, below_floor, scale_window
 from ..formats import RangeCounts
 from ..fp8.swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..recipe import Recipe, Rounding
-from ..spawn import default_backend, run_processes
+from ..distributed.spawn import default_backend, run_processes
 from .trainer import RunResult, train
 from .workloads import Workload, get_workload
 

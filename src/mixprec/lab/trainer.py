@@ -26,7 +26,7 @@ from torch import nn
 
 from ..devices import resolve_device
 from ..diagnostics.memory import MemoryBreakdown, SavedTensorMeter, state_bytes
-from ..distributed import shard_model, wrap_ddp
+from ..distributed.parallel import shard_model, wrap_ddp
 from ..engine import MixedPrecision
 from ..recipe import Recipe, get_recipe
 from .workloads import Workload, get_workload

@@ -2,7 +2,7 @@
 
 A :class:`RangeCollector` watches a :class:`~mixprec.MixedPrecision` engine while its ``collecting()``
 block is open and, per module (by qualified name), feeds five kinds of tensors to exact
-:class:`~mixprec.diagnostics.range_stats.RangeHistogram` counters on the device:
+:class:`~mixprec.diagnostics.range_histogram.RangeHistogram` counters on the device:
 
 - ``activations``: the module's forward outputs (as computed: fp16 under fp16 autocast);
 - ``activation_grads``: gradients with respect to those outputs (tensor hooks on them);
@@ -46,7 +46,7 @@ from torch import nn
 
 from ..formats import BF16, FP16, Format, get_format, quantize
 from ..loss_scale import NoLossScale
-from .range_stats import RangeHistogram, TensorStats
+from .range_histogram import RangeHistogram, TensorStats
 
 __all__ = ["KINDS", "UPDATE_FORMATS", "ModuleRanges", "RangeCollector", "RangesResult", "UpdateLoss",
            "select_modules", "update_lost"]

@@ -12,25 +12,32 @@ hysteresis=,floor=,ceiling=)``; ``str()`` prints the shortest exact text back (p
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 
-__all__ = ["LossScaleConfig"]
+__all__ = ["LossScaleConfig", "LossScaleKind"]
 
-_SCALE_KINDS = ("none", "static", "dynamic")
+
+class LossScaleKind(str, enum.Enum):
+    """How the loss is scaled. A ``str`` enum: ``LossScaleKind.NONE == "none"``, so either spelling works."""
+
+    NONE = "none"
+    STATIC = "static"
+    DYNAMIC = "dynamic"
 
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
     """How the loss is scaled before backward.
 
-    ``kind`` is ``"none"``, ``"static"`` (multiply by ``init`` always) or ``"dynamic"`` (start at
+    ``kind`` (a ``LossScaleKind``) is ``"none"``, ``"static"`` (multiply by ``init`` always) or ``"dynamic"`` (start at
     ``init``; on an overflow skip the step and, after ``hysteresis`` overflows without a growth in
     between, multiply by ``backoff``; after ``growth_interval`` clean steps in a row multiply by
     ``growth``; never leave ``[floor, ceiling]``).
     """
 
-    kind: str = "dynamic"
+    kind: LossScaleKind = LossScaleKind.DYNAMIC
     init: float = 2.0**16
     growth: float = 2.0
     backoff: float = 0.5
@@ -40,8 +47,9 @@ class LossScaleConfig:
     ceiling: float = 2.0**24
 
     def __post_init__(self) -> None:
-        if self.kind not in _SCALE_KINDS:
-            raise ValueError(f"unknown loss scale {self.kind!r}; valid values: {', '.join(_SCALE_KINDS)}")
+        if self.kind not in tuple(LossScaleKind):
+            raise ValueError(f"unknown loss scale {self.kind!r}; valid values: "
+                             f"{', '.join(k.value for k in LossScaleKind)}")
         if not (math.isfinite(self.init) and self.init > 0):
             raise ValueError(f"loss scale init must be a finite positive number, got {self.init}")
         if self.kind == "dynamic":
@@ -71,12 +79,12 @@ class LossScaleConfig:
         """``none`` | ``static:1024`` | ``dynamic`` | ``dynamic(hysteresis=2,init=1024)``."""
         text = text.strip()
         if text == "none":
-            return cls(kind="none")
+            return cls(kind=LossScaleKind.NONE)
         if text.startswith("static"):
             _, sep, value = text.partition(":")
             if not sep:
                 raise ValueError("a static loss scale needs its value, e.g. scale=static:1024")
-            return cls(kind="static", init=_parse_float(value, "static loss scale"))
+            return cls(kind=LossScaleKind.STATIC, init=_parse_float(value, "static loss scale"))
         m = re.fullmatch(r"dynamic(?:\((.*)\))?", text)
         if not m:
             raise ValueError(f"unknown loss scale {text!r}; valid forms: none, static:VALUE, dynamic, "
@@ -92,7 +100,7 @@ class LossScaleConfig:
                                  f"{', '.join(names)}")
             kwargs[key] = (int(_parse_float(value, key)) if key in ("growth_interval", "hysteresis")
                            else _parse_float(value, key))
-        return cls(kind="dynamic", **kwargs)
+        return cls(kind=LossScaleKind.DYNAMIC, **kwargs)
 
 
 def _num(x: float) -> str:

@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import re
 
-__all__ = ["Fp8Scaling", "Fp8Config"]
+__all__ = ["Fp8Scaling", "Fp8Config", "AmaxAlgorithm", "Fp8Backend"]
 
 
 class Fp8Scaling(enum.Enum):
@@ -37,8 +37,20 @@ class Fp8Scaling(enum.Enum):
     DELAYED = "delayed"   # amax history of earlier casts (Transformer Engine's default recipe)
 
 
-_AMAX_ALGOS = ("max", "recent")
-_BACKENDS = ("auto", "scaled_mm", "emulate")
+class AmaxAlgorithm(str, enum.Enum):
+    """Which amax of the history a delayed scale is computed from (a ``str`` enum: ``== "max"`` works)."""
+
+    MAX = "max"         # the largest in the history: safe against a growing tensor
+    RECENT = "recent"   # the most recent: follows a shrinking tensor sooner
+
+
+class Fp8Backend(str, enum.Enum):
+    """Which matmul runs the fp8 layers (a ``str`` enum: ``== "auto"`` works)."""
+
+    AUTO = "auto"             # scaled_mm where the device runs it, else emulate with a notice
+    SCALED_MM = "scaled_mm"   # torch._scaled_mm, or an error where the device cannot run it
+    EMULATE = "emulate"       # exact fp8 rounding (formats.quantize) then an fp32 matmul
+
 _BOOL_WORDS = {"true": True, "false": False}
 
 
@@ -57,14 +69,14 @@ class Fp8Config:
 
     scaling: Fp8Scaling = Fp8Scaling.CURRENT
     history: int = 16
-    amax: str = "max"
+    amax: AmaxAlgorithm = AmaxAlgorithm.MAX
     margin: int = 0
     pow2: bool = False
     skip: tuple[str, ...] = ()
     skip_first: bool = False
     skip_last: bool = False
     force: tuple[str, ...] = ()
-    backend: str = "auto"
+    backend: Fp8Backend = Fp8Backend.AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.scaling, Fp8Scaling):
@@ -77,10 +89,10 @@ class Fp8Config:
             raise ValueError(f"fp8 history must be >= 1, got {self.history}")
         if not 0 <= self.margin <= 16:
             raise ValueError(f"fp8 margin must be in 0..16 (scale divided by 2**margin), got {self.margin}")
-        if self.amax not in _AMAX_ALGOS:
-            raise ValueError(f"unknown fp8 amax {self.amax!r}; valid values: {', '.join(_AMAX_ALGOS)}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"unknown fp8 backend {self.backend!r}; valid values: {', '.join(_BACKENDS)}")
+        for name, kind in (("amax", AmaxAlgorithm), ("backend", Fp8Backend)):
+            if getattr(self, name) not in tuple(kind):
+                raise ValueError(f"unknown fp8 {name} {getattr(self, name)!r}; valid values: "
+                                 f"{', '.join(k.value for k in kind)}")
         if self.scaling is Fp8Scaling.CURRENT and (self.history != 16 or self.amax != "max"):
             raise ValueError("fp8 history and amax apply to delayed scaling; write "
                              "fp8=delayed(history=..,amax=..) or drop them")
@@ -104,6 +116,8 @@ class Fp8Config:
                 continue
             if isinstance(value, bool):
                 value = str(value).lower()
+            elif isinstance(value, enum.Enum):
+                value = value.value
             elif isinstance(value, tuple):
                 value = "+".join(value)
             opts.append(f"{f.name}={value}")
@@ -138,5 +152,9 @@ class Fp8Config:
             elif key in ("skip", "force"):
                 kwargs[key] = tuple(v for v in value.split("+") if v)
             else:
-                kwargs[key] = value
+                kind = AmaxAlgorithm if key == "amax" else Fp8Backend
+                if value not in tuple(kind):
+                    raise ValueError(f"unknown fp8 {key} {value!r}; valid values: "
+                                     f"{', '.join(k.value for k in kind)}")
+                kwargs[key] = kind(value)
         return cls(**kwargs)  # type: ignore[arg-type]

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Iterable
 
 import torch
 
-from .oplists import OpPolicy, check_op_names
-from .recipe_fp8 import Fp8Config
-from .recipe_scale import LossScaleConfig
+from ..formats import FORMATS, Format
+from ..oplists import OpPolicy, check_op_names
+from .fp8 import Fp8Config
+from .scale import LossScaleConfig, LossScaleKind
 
 __all__ = [
     "Precision", "Rounding", "LossScaleConfig", "Recipe", "RECIPES", "get_recipe", "parse_recipe",
@@ -39,9 +41,14 @@ class Precision(enum.Enum):
     BF16 = "bf16"
 
     @property
+    def format(self) -> Format:
+        """The number format (``formats.FP16`` ...): limits, exact rounding."""
+        return FORMATS[self.value]
+
+    @property
     def dtype(self) -> torch.dtype:
-        """The torch storage dtype (tf32 is stored as float32)."""
-        return _DTYPES[self]
+        """The torch storage dtype (tf32 has none of its own: it is stored as float32)."""
+        return self.format.torch_dtype or torch.float32
 
     @property
     def is_low(self) -> bool:
@@ -58,10 +65,6 @@ class Precision(enum.Enum):
             ) from None
 
 
-_DTYPES = {
-    Precision.FP32: torch.float32, Precision.TF32: torch.float32,
-    Precision.FP16: torch.float16, Precision.BF16: torch.bfloat16,
-}
 _PRECISION_WORDS = {p.value: p for p in Precision} | {
     "float32": Precision.FP32, "float16": Precision.FP16, "half": Precision.FP16,
     "bfloat16": Precision.BF16,
@@ -80,10 +83,12 @@ class Rounding(enum.Enum):
 _OP_KEYS = {"fp32_ops": OpPolicy.FP32, "low_ops": OpPolicy.LOW, "follow_ops": OpPolicy.FOLLOW}
 # Module types kept in fp32 by pure recipes: normalisations reduce over many values (mean, variance)
 # and their tiny affine parameters cost nothing in memory.
+_FP16_DYNAMIC = LossScaleConfig(kind=LossScaleKind.DYNAMIC)
+_NO_SCALE = LossScaleConfig(kind=LossScaleKind.NONE)
 DEFAULT_FP32_MODULES = ("BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm", "InstanceNorm", "LocalResponseNorm")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Recipe:
     """How a model trains: weights dtype, compute dtype, master copy, loss scale, fp32 modules.
 
@@ -108,18 +113,49 @@ class Recipe:
     param: Precision = Precision.FP32
     compute: Precision = Precision.FP32
     master: Precision | None = None
-    loss_scale: LossScaleConfig = LossScaleConfig(kind="none")
+    loss_scale: LossScaleConfig = _NO_SCALE
     rounding: Rounding = Rounding.NEAREST
     fp32_modules: tuple[str, ...] = DEFAULT_FP32_MODULES
     fp32_ops: tuple[str, ...] = ()
     low_ops: tuple[str, ...] = ()
     follow_ops: tuple[str, ...] = ()
     modules: tuple[tuple[str, Precision], ...] = ()
-    fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe_fp8.py)
+    fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe/fp8.py)
 
-    def __post_init__(self) -> None:
+    def __init__(self, param: Precision = Precision.FP32, compute: Precision = Precision.FP32,
+                 master: Precision | None = None, loss_scale: LossScaleConfig | None = None,
+                 rounding: Rounding = Rounding.NEAREST,
+                 fp32_modules: Iterable[str] = DEFAULT_FP32_MODULES, fp32_ops: Iterable[str] = (),
+                 low_ops: Iterable[str] = (), follow_ops: Iterable[str] = (),
+                 modules: Iterable[tuple[str, Precision]] = (), fp8: Fp8Config | None = None) -> None:
+        """Build and check a recipe; every field is set once, here, in its canonical form.
+
+        ``loss_scale=None`` takes the compute precision's default: dynamic for fp16 (small gradients
+        would flush to zero without it), none otherwise. fp16 without scaling is spelled
+        ``loss_scale=LossScaleConfig(kind="none")`` (``scale=none`` in the grammar). Op lists are kept
+        sorted and without repeats, so equal edits compare equal and print alike.
+        """
+        if loss_scale is None:
+            loss_scale = _FP16_DYNAMIC if compute is Precision.FP16 else _NO_SCALE
+        ops = {}
+        for key in _OP_KEYS:
+            given = {"fp32_ops": fp32_ops, "low_ops": low_ops, "follow_ops": follow_ops}[key]
+            if isinstance(given, str):
+                raise TypeError(f"Recipe.{key} takes op names as a tuple, e.g. ({given!r},), not a string")
+            ops[key] = tuple(sorted(set(given)))
+        if isinstance(fp32_modules, str):
+            raise TypeError(f"Recipe.fp32_modules takes class names as a tuple, e.g. ({fp32_modules!r},)")
+        fields = dict(param=param, compute=compute, master=master, loss_scale=loss_scale, rounding=rounding,
+                      fp32_modules=tuple(fp32_modules), modules=tuple(modules), fp8=fp8, **ops)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)   # frozen dataclass: the one assignment of each field
+        self._check()
+
+    def _check(self) -> None:
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(f"Recipe.fp8 must be an Fp8Config or None, got {self.fp8!r}")
+        if not isinstance(self.loss_scale, LossScaleConfig):
+            raise TypeError(f"Recipe.loss_scale must be a LossScaleConfig or None, got {self.loss_scale!r}")
         self._check_op_lists_and_modules()
         for name in ("param", "compute"):
             if not isinstance(getattr(self, name), Precision):
@@ -139,24 +175,16 @@ class Recipe:
                              "(master=none)")
         if self.rounding is Rounding.STOCHASTIC and self.param is not Precision.BF16:
             raise ValueError("rounding=stochastic is implemented for bf16 weights only (params=bf16)")
-        if self.compute is Precision.FP16 and self.loss_scale.kind == "none" and not self._explicit_none:
-            raise ValueError("fp16 compute without loss scaling lets small gradients flush to zero; use "
-                             "scale=dynamic (or scale=static:VALUE), or spell scale=none to accept that")
-
-    # ``scale=none`` with fp16 is allowed only when spelled out; the flag is not part of equality.
-    _explicit_none: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     def _check_op_lists_and_modules(self) -> None:
-        # Canonical order (sorted, each op once) so equal edits compare equal and print alike.
         seen: dict[str, str] = {}
         for key in _OP_KEYS:
-            ops = tuple(sorted(set(getattr(self, key))))
+            ops = getattr(self, key)
             check_op_names(ops, key=key)
             for op in ops:
                 if op in seen:
                     raise ValueError(f"op {op!r} is in both {seen[op]} and {key}; put it on one list")
                 seen[op] = key
-            object.__setattr__(self, key, ops)
         for rule in self.modules:
             if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[1], Precision)):
                 raise TypeError(f"Recipe.modules holds (pattern, Precision) pairs, got {rule!r}")
@@ -207,8 +235,6 @@ class Recipe:
             parts.append(f"fp8={self.fp8}")
         return ",".join(parts)
 
-
-_FP16_DYNAMIC = LossScaleConfig(kind="dynamic")
 
 RECIPES: dict[str, Recipe] = {
     "fp32": Recipe(),
@@ -272,10 +298,7 @@ def parse_recipe(text: str) -> Recipe:
     compute = Precision.parse(fields.get("compute", param.value), key="compute")
     master_word = fields.get("master", "none")
     master = None if master_word == "none" else Precision.parse(master_word, key="master")
-    if "scale" in fields:
-        scale = LossScaleConfig.parse(fields["scale"])
-    else:
-        scale = _FP16_DYNAMIC if compute is Precision.FP16 else LossScaleConfig(kind="none")
+    scale = LossScaleConfig.parse(fields["scale"]) if "scale" in fields else None   # None: the default
     try:
         rounding = Rounding(fields.get("rounding", "nearest"))
     except ValueError:
@@ -289,8 +312,7 @@ def parse_recipe(text: str) -> Recipe:
     if fields.get("fp8", "none") != "none":
         fp8 = Fp8Config.parse(fields["fp8"])
     return Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
-                  fp32_modules=modules, fp8=fp8, _explicit_none=fields.get("scale") == "none",
-                  **_op_list_fields(fields))
+                  fp32_modules=modules, fp8=fp8, **_op_list_fields(fields))
 
 
 def _op_list_fields(fields: dict[str, str]) -> dict:

@@ -23,8 +23,8 @@ import math
 import torch
 from torch import nn
 
-from ..fp8.linear import ROLES
-from ..fp8.state import fp8_layers
+from .linear import ROLES
+from .state import fp8_layers
 
 __all__ = ["Fp8TensorStats", "Fp8LayerStats", "fp8_layer_stats", "count_fp8_ranges"]
 
