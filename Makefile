@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make compare` (the main job) and `make test` (the test suite).
-# Each creates .venv and installs mixprec with what it needs. Bring your own torch build first
+# Each creates .venv and installs mixprec with the lab and test extras (mixprec[lab,dev]). Bring your own torch build first
 # (CUDA, ROCm or CPU) with `.venv/bin/pip install torch...`; otherwise pip picks PyPI's default.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -19,7 +19,7 @@ bench: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[lab,dev]"
 	touch $(STAMP)
 
 clean:

@@ -1,4 +1,4 @@
-"""Memory accounting against numbers worked out by hand (seed 002's MLP) and against the tensors."""
+"""Memory accounting against numbers worked out by hand (a 784-8192-10 MLP) and against the tensors."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from mixprec import MixedPrecision, memory_report
 from mixprec.lab.models import GPT, GPTConfig
 from mixprec.diagnostics.memory import SavedTensorMeter, state_bytes, storage_bytes
 
-# Seed 002's MLP, 784-8192-10: 784*8192 + 8192 + 8192*10 + 10 = 6,512,650 parameters.
+# A 784-8192-10 MLP (MNIST-sized): 784*8192 + 8192 + 8192*10 + 10 = 6,512,650 parameters.
 N_PARAMS = 784 * 8192 + 8192 + 8192 * 10 + 10
 
 
@@ -81,7 +81,7 @@ def test_memory_report_reproduces_seed_002_and_003_without_training():
     assert fp32.n_params == N_PARAMS
     assert round(fp32.predicted.params / 1e6, 2) == 26.05
     assert round((pure.predicted.params + pure.predicted.master) / 1e6, 2) == 39.08
-    # Seed 003, Adam: fp32 holds w 4 + g 4 + m,v 8 = 16 B/param; torch.amp-style fp16 (fp32 weights) too.
+    # The usual Adam accounting: fp32 holds w 4 + g 4 + m,v 8 = 16 B/param; torch.amp-style fp16 (fp32 weights) too.
     # Plus one fp32 step counter per tensor: 4 tensors * 4 B.
     assert fp32.predicted.optimizer == 8 * N_PARAMS + 16
     assert fp32.bytes_per_param == amp.bytes_per_param == pytest.approx(16.0, abs=1e-5)

@@ -3,7 +3,7 @@
 Pure recipes (fp16/bf16 weights) cast every parameter and floating buffer to the low dtype except in
 modules the recipe keeps fp32 (normalisations by default: their mean and variance reduce over many
 values). Every low-compute recipe casts the model's floating outputs to fp32, so softmax and the loss
-are computed in fp32 (seed 001) even where autocast's op lists leave them in 16 bits (CPU autocast
+are computed in fp32 (a sum over many terms loses small ones in 16 bits) even where autocast's op lists leave them in 16 bits (CPU autocast
 keeps log_softmax in fp16).
 
 Per-module precision (``Recipe.modules``, and ``fp32_modules`` in pure recipes) makes *regions*: a

@@ -80,7 +80,7 @@ class NoLossScale(_CountingScale):
 
 
 class StaticLossScale(_CountingScale):
-    """A fixed S (seed 000's alpha). An overflowing step is skipped; S never changes."""
+    """A fixed S (the classic fixed loss-scale factor). An overflowing step is skipped; S never changes."""
 
     def __init__(self, value: float, device: torch.device | str = "cpu") -> None:
         super().__init__(value, device)

@@ -1,7 +1,7 @@
 """fp32 copies of low-precision weights that the optimizer updates in their place.
 
 An fp16 weight cannot absorb an update smaller than half its ulp: with |w| / |update| > 2048 the sum
-rounds back to w and the update is lost (seed 002). So the user's optimizer is pointed at fp32 copies:
+rounds back to w and the update is lost (fp16 keeps 11 significant bits, so 1 + 2**-12 == 1). So the user's optimizer is pointed at fp32 copies:
 the low-precision gradients are cast into the copies' ``.grad``, the optimizer steps there (its state is
 fp32 too) and the result is rounded back into the model.
 

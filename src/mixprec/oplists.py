@@ -1,6 +1,6 @@
 """Op lists: which ops run in 16 bits, which stay fp32, which follow their inputs; and how to edit them.
 
-Seed 000 describes mixed precision by three lists. torch.autocast keeps them in C++: each op it casts
+Mixed precision is classically described by three op lists (16-bit, fp32, follow the inputs). torch.autocast keeps them in C++: each op it casts
 has a kernel registered under the ``AutocastCPU`` / ``AutocastCUDA`` dispatch key, with a policy that
 is not exposed to Python. mixprec reads them in two steps, on the device in use, when asked (never at
 import):

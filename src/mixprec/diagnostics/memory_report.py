@@ -8,7 +8,7 @@ forward and backward, and counts with the same tools a real run uses (``state_by
 autograd saves for the backward. Optimizer state appears only when the optimizer steps, which fake
 tensors cannot do (optimizers read their step counters back), so it is measured on a miniature: the
 optimizer is built on twins of the parameters with one and two elements and stepped once, which gives
-its bytes per element and per tensor. Seed 002's MLP, 784-8192-10::
+its bytes per element and per tensor. A 784-8192-10 MLP (6.5M parameters)::
 
     >>> from torch import nn
     >>> mlp = nn.Sequential(nn.Linear(784, 8192), nn.ReLU(), nn.Linear(8192, 10))

@@ -3,7 +3,7 @@
 Tensor cores multiply tiles: cuBLAS and cuDNN pick them for fp16/bf16 only when every GEMM dimension
 (M, N, K; a convolution's input and output channels) is a multiple of 8 elements, 16 for fp8 and 4 for
 tf32 (16 bytes either way). Otherwise they fall back to slower kernels or run partly empty tiles
-(seed 001). ``trace_matmuls`` runs one forward and backward on the ``meta`` device (shapes only, no
+(NVIDIA's rule for fp16 tensor cores since Volta). ``trace_matmuls`` runs one forward and backward on the ``meta`` device (shapes only, no
 memory: GPT-2's 124M weights are never allocated) under a dispatch mode that records every matmul-like
 aten op with its shapes, its FLOPs (torch.utils.flop_counter's formulas: 2*M*N*K for a GEMM) and the
 module it came from (backward ops too: ``ModuleScope``)::
@@ -249,7 +249,7 @@ def _sum_floating(out: Any) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------- GPU profiling
 # Kernel names of tensor-core GEMMs and convolutions: cuBLAS/cuDNN encode the MMA shape (s884, h1688,
-# s16816, i8816: seeds 001 and 003), CUTLASS says "tensorop", Hopper's are xmma/gmma/wgmma/nvjet, and the
+# s16816, i8816: Volta, Turing and Ampere MMA tiles), CUTLASS says "tensorop", Hopper's are xmma/gmma/wgmma/nvjet, and the
 # flash/memory-efficient attention kernels use mma tiles.
 _TC_PATTERN = re.compile(r"([hsi]\d{3,5}(gemm|cudnn|conv)|[hsi](884|1688|16816|8816)|tensorop|xmma|gmma|"
                          r"hmma|wmma|nvjet|flash_fwd|flash_bwd|fmha|_mma_|cutlass.*(f16|bf16|e4m3|e5m2))",
