@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .casting import cast_model, keeps_fp32, low_precision_params
 from .devices import supports
-from .grad_sync import GradSync, SyncKind, local_shard
+from .grad_sync import GradSync, GroupChoice, SyncKind, local_shard
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
@@ -141,7 +141,7 @@ class MixedPrecision:
                  *, clip_grad_norm: float | None = None, seed: int = 0,
                  fp8_filter: Callable[[str, nn.Module], bool] | None = None,
                  trace_nonfinite: bool = False,
-                 process_group: Any = "auto") -> None:
+                 process_group: Any = GroupChoice.AUTO) -> None:
         self.recipe = get_recipe(recipe)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

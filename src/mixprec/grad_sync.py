@@ -42,7 +42,7 @@ from torch import nn
 
 from .recipe import Recipe, Rounding
 
-__all__ = ["GradSync", "SyncKind", "local_shard"]
+__all__ = ["GradSync", "SyncKind", "GroupChoice", "local_shard"]
 
 _FSDP_RECIPE_ATTR = "_mixprec_fsdp_recipe"   # set on the root by shard_model, read by the engine
 
@@ -53,6 +53,12 @@ class SyncKind(enum.Enum):
     LOCAL = "local"            # a single process, or a model trained on its own
     REPLICATED = "replicated"  # DDP: every rank holds the same averaged gradients
     SHARDED = "sharded"        # FSDP2: every rank holds a different slice of each gradient
+
+
+class GroupChoice(str, enum.Enum):
+    """The word ``MixedPrecision(process_group=...)`` takes besides a group or None (``"auto"`` works too)."""
+
+    AUTO = "auto"   # FSDP2 (DTensor parameters) and DDP modules are detected; a plain model stays local
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +93,7 @@ class GradSync:
         return self.kind is SyncKind.SHARDED
 
     @classmethod
-    def for_model(cls, model: nn.Module, recipe: Recipe, process_group: Any = "auto") -> GradSync:
+    def for_model(cls, model: nn.Module, recipe: Recipe, process_group: Any = GroupChoice.AUTO) -> GradSync:
         params = list(model.parameters())
         dtensors = [p for p in params if _is_dtensor(p)]
         if dtensors:
@@ -101,18 +107,18 @@ class GradSync:
                 raise ValueError("mixprec supports FSDP2 on one 1-D device mesh; HSDP (2-D meshes) "
                                  "and several meshes are not supported yet")
             _check_fsdp_recipe(model, recipe)
-            return cls(SyncKind.SHARDED, mesh.get_group() if process_group in ("auto", None)
+            return cls(SyncKind.SHARDED, mesh.get_group() if process_group in (GroupChoice.AUTO, None)
                        else process_group)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             if recipe.param.is_low:
                 raise ValueError(f"recipe {recipe.label!r} casts the weights, which detaches them from "
                                  "DDP's gradient hooks: build MixedPrecision on the plain model first, "
                                  "then wrap it with mixprec.distributed.wrap_ddp(mp)")
-            group = model.process_group if process_group == "auto" else process_group
+            group = model.process_group if process_group == GroupChoice.AUTO else process_group
             return cls(SyncKind.REPLICATED, group) if group is not None else cls(SyncKind.LOCAL)
-        # A plain model stays local under "auto", even with a process group up: a collective every
+        # A plain model stays local under AUTO, even with a process group up: a collective every
         # step would hang a loop that runs on some ranks only. wrap_ddp switches the engine over.
-        if process_group in ("auto", None):
+        if process_group in (GroupChoice.AUTO, None):
             return cls(SyncKind.LOCAL)
         return cls(SyncKind.REPLICATED, process_group)
 
