@@ -9,8 +9,8 @@ import pytest
 
 from mixprec.diagnostics.ranges import KINDS
 from mixprec.lab.cli import main
-from mixprec.lab.doctor_fp8 import fp8_swap_lines, render_fp8_findings
-from mixprec.lab.doctor_report import DoctorReport, layer_rows
+from mixprec.lab.doctor.render_fp8 import fp8_swap_lines, render_fp8_findings
+from mixprec.lab.doctor.report import DoctorReport, layer_rows
 
 TESTS = Path(__file__).parent
 STEPS = 3

@@ -28,10 +28,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .. import __version__
 from ..recipe import get_recipe, split_top_level
-from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
-from .doctor_cli import add_doctor_parser, plan_from_args, run_and_print
-from .report import CompareReport, render_notes, render_table, short_names
-from .trace import add_trace_parser, plan_trace
+from .compare.run import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
+from .doctor.cli import add_doctor_parser, plan_from_args, run_and_print
+from .compare.report import CompareReport, render_notes, render_table, short_names
+from .trace.run import add_trace_parser, plan_trace
 from .trainer import TrainProgress
 from .cli_args import add_device_arg, add_workload_args
 
@@ -230,7 +230,7 @@ def _print_table(report: CompareReport) -> None:
 
 def _write_page(report: CompareReport, path: Path) -> None:
     # Imported here: matplotlib takes most of a second to import, and only pages need it.
-    from .html import render_html
+    from .compare.html import render_html
     # Bytes, not text: no newline translation, so a page re-rendered from the JSON is byte-identical.
     path.write_bytes(render_html(report).encode("utf-8"))
     print(f"HTML page written to {path}", file=sys.stderr)
@@ -302,7 +302,7 @@ def _trace(args: argparse.Namespace) -> int:
     return run()
 # ---------------------------------------------------------------------------------------- inspect
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect import plan_inspect, render_matmul_table, render_memory_table, render_notes, run_inspect
+    from .inspect.run import plan_inspect, render_matmul_table, render_memory_table, render_notes, run_inspect
     try:
         plan = plan_inspect(args.benchmark or args.workload, _recipe_words(args.recipes), device=args.device,
                             batch_size=args.batch_size)

@@ -20,9 +20,9 @@ import math
 from rich import box
 from rich.table import Table
 
-from ..diagnostics.fp8 import Fp8TensorStats
-from ..fp8.swap import Fp8SwapReport
-from .doctor_report import DoctorReport, percent_text
+from ...diagnostics.fp8 import Fp8TensorStats
+from ...fp8.swap import Fp8SwapReport
+from .report import DoctorReport, percent_text
 
 __all__ = ["fp8_swap_lines", "fp8_rows", "render_fp8_table", "render_fp8_findings"]
 

@@ -50,16 +50,16 @@ import torch
 from rich import box
 from rich.table import Table
 
-from .. import __version__
-from ..devices import resolve_device, supports
-from ..diagnostics.memory_report import MemoryReport, memory_report
-from ..diagnostics.tensor_cores import KernelProfile, TensorCoreReport, profile_kernels, trace_matmuls
-from ..engine import MixedPrecision
-from ..recipe import Recipe
-from .compare import DEFAULT_RECIPES, unique_recipes
-from .report import format_bytes, short_names
-from .strict_json import dumps
-from .workloads import Workload, get_workload
+from ... import __version__
+from ...devices import resolve_device, supports
+from ...diagnostics.memory_report import MemoryReport, memory_report
+from ...diagnostics.tensor_cores import KernelProfile, TensorCoreReport, profile_kernels, trace_matmuls
+from ...engine import MixedPrecision
+from ...recipe import Recipe
+from ..compare.run import DEFAULT_RECIPES, unique_recipes
+from ..compare.report import format_bytes, short_names
+from ..strict_json import dumps
+from ..workloads import Workload, get_workload
 
 __all__ = ["InspectPlan", "InspectReport", "plan_inspect", "run_inspect", "render_memory_table",
            "render_matmul_table", "render_notes", "SCHEMA_VERSION"]

@@ -52,10 +52,10 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from ..diagnostics.memory import MemoryBreakdown
-from ..recipe import get_recipe
-from .strict_json import decode_float, dumps
-from .trainer import RunResult
+from ...diagnostics.memory import MemoryBreakdown
+from ...recipe import get_recipe
+from ..strict_json import decode_float, dumps
+from ..trainer import RunResult
 
 __all__ = ["SCHEMA_VERSION", "BASELINE", "CompareReport", "render_table", "render_notes", "short_names",
            "memory_figure", "format_bytes", "ratio_text"]

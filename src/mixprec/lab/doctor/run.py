@@ -26,16 +26,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import __version__
-from ..devices import device_name, supports
-from ..diagnostics.fp8 import count_fp8_ranges, fp8_layer_stats
-from ..diagnostics.ranges import RangeCollector, select_modules
-from ..diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
-from ..engine import MixedPrecision
-from ..recipe import RECIPES, Recipe, get_recipe
-from .doctor_report import DoctorReport
-from .trainer import TrainProgress, batch_order, check_seed, check_steps, resolve_run
-from .workloads import Workload
+from ... import __version__
+from ...devices import device_name, supports
+from ...diagnostics.fp8 import count_fp8_ranges, fp8_layer_stats
+from ...diagnostics.ranges import RangeCollector, select_modules
+from ...diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
+from ...engine import MixedPrecision
+from ...recipe import RECIPES, Recipe, get_recipe
+from .report import DoctorReport
+from ..trainer import TrainProgress, batch_order, check_seed, check_steps, resolve_run
+from ..workloads import Workload
 
 __all__ = ["DEFAULT_RECIPE", "DEFAULT_STEPS", "DoctorPlan", "plan_doctor", "run_doctor"]
 

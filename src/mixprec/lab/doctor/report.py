@@ -63,14 +63,14 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from ..diagnostics.fp8 import Fp8LayerStats, Fp8TensorStats
-from ..diagnostics.range_stats import TensorStats
-from ..diagnostics.ranges import ModuleRanges, UpdateLoss
-from ..diagnostics.scale_window import ScaleWindow, below_floor, scale_window
-from ..formats import RangeCounts
-from ..fp8.swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport
-from ..recipe import Precision, get_recipe
-from .strict_json import decode_float, dumps
+from ...diagnostics.fp8 import Fp8LayerStats, Fp8TensorStats
+from ...diagnostics.range_stats import TensorStats
+from ...diagnostics.ranges import ModuleRanges, UpdateLoss
+from ...diagnostics.scale_window import ScaleWindow, below_floor, scale_window
+from ...formats import RangeCounts
+from ...fp8.swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport
+from ...recipe import Precision, get_recipe
+from ..strict_json import decode_float, dumps
 
 __all__ = ["DOCTOR_SCHEMA_VERSION", "DoctorReport", "LayerRow", "layer_rows", "render_doctor_table",
            "render_findings", "pow2_text", "percent_text"]

@@ -19,12 +19,12 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .cli_args import add_device_arg
-from .doctor import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
-from .doctor_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
-from .doctor_report import DoctorReport, render_doctor_table, render_findings
-from .trainer import TrainProgress
-from .workloads import BENCHMARKS, WORKLOADS
+from ..cli_args import add_device_arg
+from .run import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
+from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
+from .report import DoctorReport, render_doctor_table, render_findings
+from ..trainer import TrainProgress
+from ..workloads import BENCHMARKS, WORKLOADS
 
 __all__ = ["add_doctor_parser", "plan_from_args", "run_and_print"]
 
@@ -117,6 +117,6 @@ def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
 
 
 def _write_page(report: DoctorReport, path: Path) -> None:
-    from .doctor_html import render_doctor_html   # matplotlib: only when a page is asked for
+    from .html import render_doctor_html   # matplotlib: only when a page is asked for
     path.write_bytes(render_doctor_html(report).encode("utf-8"))
     print(f"HTML page written to {path}", file=sys.stderr)

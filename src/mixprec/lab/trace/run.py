@@ -20,13 +20,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ..casting import check_module_patterns
-from ..devices import resolve_device, supports
-from ..diagnostics.optrace import OpTrace, trace_ops
-from ..oplists import op_list_mode
-from ..recipe import RECIPES, Recipe, get_recipe
-from .cli_args import add_device_arg, add_workload_args
-from .workloads import get_workload
+from ...casting import check_module_patterns
+from ...devices import resolve_device, supports
+from ...diagnostics.optrace import OpTrace, trace_ops
+from ...oplists import op_list_mode
+from ...recipe import RECIPES, Recipe, get_recipe
+from ..cli_args import add_device_arg, add_workload_args
+from ..workloads import get_workload
 
 __all__ = ["add_trace_parser", "plan_trace", "render_trace"]
 
