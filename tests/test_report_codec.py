@@ -1,0 +1,136 @@
+"""The lab's one report codec: type-driven round trips, the schema-version rule, and old files still reading."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from typing import ClassVar
+
+import pytest
+
+from mixprec.lab.codec import Schema, attr, dumps, from_data, read_report, to_data, write_report
+
+
+class Colour(enum.Enum):
+    RED = "a long wording that may change"
+    BLUE = "blue"
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    name: str
+    colour: Colour
+    weight: float | None = None
+
+    @property
+    def heavy(self) -> bool:
+        return (self.weight or 0.0) > 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy:
+    SCHEMA: ClassVar[Schema] = Schema("toy", 2, derived={Part: {"heavy": attr("heavy")}},
+                                      added=frozenset({"tags"}),
+                                      upgrades={1: lambda d: {**d, "parts": [{**p, "colour": "BLUE"}
+                                                                             for p in d["parts"]]}})
+    count: int
+    ratio: float
+    parts: tuple[Part, ...]
+    pair: tuple[str, int]
+    by_size: dict[int, tuple[float, ...]]
+    flag: bool
+    tags: tuple[str, ...] = ()
+
+
+def _toy(**changes) -> Toy:
+    toy = Toy(count=3, ratio=math.inf,
+              parts=(Part("a", Colour.RED, 2.5), Part("b", Colour.BLUE)),
+              pair=("x", 7), by_size={8: (0.5, math.nan), 16: ()}, flag=False, tags=("t",))
+    return dataclasses.replace(toy, **changes)
+
+
+def test_round_trip_is_exact_and_the_json_is_strict():
+    toy = _toy()
+    text = write_report(toy)
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in strict JSON"))
+    assert list(data)[:2] == ["schema_version", "kind"] and data["kind"] == "toy" and data["schema_version"] == 2
+    assert data["ratio"] == "Infinity" and data["by_size"]["8"] == [0.5, "NaN"]
+    # Enums travel by name, not by their (changeable) wording; derived keys are written for readers.
+    assert data["parts"][0] == {"name": "a", "colour": "RED", "weight": 2.5, "heavy": True}
+    back = read_report(Toy, text)
+    assert back.by_size[8][0] == 0.5 and math.isnan(back.by_size[8][1])
+    assert dataclasses.replace(back, by_size={}) == dataclasses.replace(toy, by_size={})
+    assert isinstance(back.parts, tuple) and isinstance(back.pair, tuple) and list(back.by_size) == [8, 16]
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda d: d["parts"][1].pop("name"), "parts[1]: missing ['name']"),
+    (lambda d: d["parts"][1].update(size=3), "parts[1]: unknown keys ['size']"),
+    (lambda d: d.update(count=True), "count: expected an integer, got True"),
+    (lambda d: d.update(count=3.0), "count: expected an integer"),
+    (lambda d: d.update(flag=0), "flag: expected true or false"),
+    (lambda d: d.update(ratio="lots"), "ratio: expected a number, got 'lots'"),
+    (lambda d: d["parts"][0].update(colour="GREEN"), "parts[0].colour: expected one of ['RED', 'BLUE']"),
+    (lambda d: d.update(pair=["x"]), "pair: expected a list of 2 items, got 1"),
+    (lambda d: d.update(by_size={"eight": []}), "by_size: expected integer keys, got 'eight'"),
+    (lambda d: d.update(parts={}), "parts: expected a list, got an object"),
+])
+def test_a_field_that_does_not_fit_is_named_by_its_path(mutate, words):
+    data = json.loads(write_report(_toy()))
+    mutate(data)
+    with pytest.raises(ValueError, match="toy report does not match schema version 2") as e:
+        read_report(Toy, json.dumps(data))
+    assert words in str(e.value)
+
+
+def test_a_field_added_within_the_version_reads_as_its_default_when_absent():
+    data = json.loads(write_report(_toy()))
+    del data["tags"]
+    assert read_report(Toy, json.dumps(data)).tags == ()
+
+
+def test_an_older_version_it_knows_is_upgraded():
+    data = json.loads(write_report(_toy()))
+    data["schema_version"] = 1
+    for p in data["parts"]:
+        del p["colour"]         # version 1 had no colour; its upgrade paints every part blue
+    assert [p.colour for p in read_report(Toy, json.dumps(data)).parts] == [Colour.BLUE, Colour.BLUE]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{", "not a mixprec toy report: invalid JSON"),
+    ("[1]", "not a mixprec toy report: the JSON is not an object"),
+    ('{"schema_version": 2}', 'not a mixprec toy report (no "kind": "toy")'),
+    ('{"schema_version": 1, "kind": "doctor"}', "its kind is 'doctor'"),
+    ('{"schema_version": 3, "kind": "toy"}', "schema_version is 3, newer than this mixprec reads (2): upgrade"),
+    ('{"schema_version": 0, "kind": "toy"}', "this mixprec reads [1, 2]"),
+    ('{"schema_version": "2", "kind": "toy"}', "schema_version is '2', not a version number"),
+])
+def test_foreign_newer_and_broken_files_are_refused_clearly(text, words):
+    with pytest.raises(ValueError) as e:
+        read_report(Toy, text)
+    assert words in str(e.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Legacy:
+    SCHEMA: ClassVar[Schema] = Schema("legacy", 1, untagged=True)
+    n: int
+
+
+def test_untagged_version_1_files_read_as_their_kind():
+    assert read_report(Legacy, '{"n": 1}') == Legacy(1)
+    assert read_report(Legacy, '{"schema_version": 1, "n": 2}') == Legacy(2)
+    assert json.loads(write_report(Legacy(3))) == {"schema_version": 1, "kind": "legacy", "n": 3}
+    with pytest.raises(ValueError, match="its kind is 'toy'"):
+        read_report(Legacy, '{"kind": "toy", "n": 1}')
+
+
+def test_plain_helpers():
+    assert dumps({"x": -math.inf, "t": (1, Colour.RED)}, indent=None) == '{"x": "-Infinity", "t": [1, "RED"]}'
+    assert from_data(tuple[int, ...], [1, 2]) == (1, 2)
+    assert to_data(Part("p", Colour.BLUE)) == {"name": "p", "colour": "BLUE", "weight": None}
+    with pytest.raises(TypeError, match="cannot write a set"):
+        to_data({1, 2})
