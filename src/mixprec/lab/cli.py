@@ -30,7 +30,8 @@ from .. import __version__
 from ..recipe import get_recipe, split_top_level
 from .compare.run import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 from .doctor.cli import add_doctor_parser, plan_from_args, run_and_print
-from .compare.report import CompareReport, render_notes, render_table, short_names
+from .compare.render import render_notes, render_table, short_names
+from .compare.report import CompareReport
 from .trace.run import add_trace_parser, plan_trace
 from .trainer import TrainProgress
 from .cli_args import add_device_arg, add_workload_args

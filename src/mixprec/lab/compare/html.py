@@ -27,8 +27,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from ...recipe import get_recipe
-from .report import (BASELINE, CompareReport, format_bytes, memory_figure, ratio_text, render_notes,
-                     render_table, short_names)
+from .render import BASELINE, format_bytes, memory_figure, ratio_text, render_notes, render_table, short_names
+from .report import CompareReport
 from ..trainer import RunResult
 
 __all__ = ["render_html"]

@@ -57,7 +57,7 @@ from ...diagnostics.tensor_cores import KernelProfile, TensorCoreReport, profile
 from ...engine import MixedPrecision
 from ...recipe import Recipe
 from ..compare.run import DEFAULT_RECIPES, unique_recipes
-from ..compare.report import format_bytes, short_names
+from ..compare.render import format_bytes, short_names
 from ..strict_json import dumps
 from ..workloads import Workload, get_workload
 
