@@ -158,3 +158,34 @@ def test_a_compare_report_from_the_old_writer_reads():
     report = _same_as_written(CompareReport, "compare-v1.json")
     assert [r.label for r in report.runs] == ["fp32", "fp16"] and report.steps == 4
     assert report.runs[1].memory.peak is None and report.runs[0].eval_steps == (2, 4)
+
+
+@pytest.mark.parametrize("name", ["doctor-v1.json", "doctor-fp8-v1.json"])
+def test_a_doctor_report_from_the_old_writer_reads(name):
+    from mixprec.fp8.swap import Fp8Reason
+    from mixprec.lab.doctor.report import DoctorReport
+    report = _same_as_written(DoctorReport, name)
+    assert report.steps == 2 and [(m.name, m.type) for m in report.modules] == [
+        ("0", "Fp8Linear" if "fp8" in name else "Linear"), ("1", "ReLU"), ("2", "Linear")]
+    # Linear(64, 256)'s weight and bias, counted on each of the 2 steps; its output for a batch of 64.
+    assert report.modules[0].stats["weights"].count == 2 * (256 * 64 + 256)
+    assert report.modules[0].stats["activations"].count == 2 * 64 * 256
+    if "fp8" in name:
+        assert [d.reason for d in report.fp8_swap.layers] == [Fp8Reason.SWAPPED, Fp8Reason.SHAPE]
+        # Every fp8 cast of the 2 steps counted: x (64, 64), W (256, 64), the output gradient (64, 256).
+        assert [(t.role, t.counted) for t in report.fp8_layers[0].tensors] == [
+            ("input", 2 * 64 * 64), ("weight", 2 * 256 * 64), ("grad_output", 2 * 64 * 256)]
+    else:
+        assert report.fp8_layers == () and report.fp8_swap is None
+
+
+def test_an_inspect_report_from_the_old_writer_reads():
+    from mixprec.lab.inspect.report import InspectReport
+    report = _same_as_written(InspectReport, "inspect-v1.json")
+    assert [m.label for m in report.memory] == ["fp32", "bf16"] and report.kernels == ()
+    # mlp: Linear(64, 256), Linear(256, 10): 64*256 + 256 + 256*10 + 10 weights; fp32 Adam holds 16 B each.
+    assert report.memory[0].n_params == 19210
+    assert report.memory[0].predicted.params == 4 * 19210 and report.memory[0].predicted.optimizer >= 8 * 19210
+    # Batch 64. Forward: 2*64*64*256 + 2*64*256*10 FLOPs. Backward: both weight gradients and the second
+    # layer's input gradient (the data needs none): 2*256*64*64 + 2*10*64*256 + 2*64*10*256.
+    assert report.tensor_cores.total_flops == 2 * (2 * 64 * 64 * 256) + 3 * (2 * 64 * 256 * 10) == 5_177_344

@@ -22,7 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..cli_args import add_device_arg
 from .run import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
 from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
-from .report import DoctorReport, render_doctor_table, render_findings
+from .render import render_doctor_table, render_findings
+from .report import DoctorReport
 from ..trainer import TrainProgress
 from ..workloads import BENCHMARKS, WORKLOADS
 

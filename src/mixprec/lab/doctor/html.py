@@ -23,8 +23,8 @@ from rich.table import Table
 from ...diagnostics.range_stats import RANGE_FORMATS, TensorStats
 from ...diagnostics.ranges import KINDS
 from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
-from .report import (DoctorReport, _exp_of, percent_text, pow2_text, render_doctor_table,
-                            render_findings)
+from .render import _exp_of, percent_text, pow2_text, render_doctor_table, render_findings
+from .report import DoctorReport
 from ..compare.html import _CSS, _FULL, _figure, _new_figure, _style, _text
 
 __all__ = ["render_doctor_html"]

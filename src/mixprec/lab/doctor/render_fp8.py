@@ -22,7 +22,8 @@ from rich.table import Table
 
 from ...diagnostics.fp8 import Fp8TensorStats
 from ...fp8.swap import Fp8SwapReport
-from .report import DoctorReport, percent_text
+from .render import percent_text
+from .report import DoctorReport
 
 __all__ = ["fp8_swap_lines", "fp8_rows", "render_fp8_table", "render_fp8_findings"]
 
