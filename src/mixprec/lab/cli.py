@@ -303,7 +303,8 @@ def _trace(args: argparse.Namespace) -> int:
     return run()
 # ---------------------------------------------------------------------------------------- inspect
 def _inspect(args: argparse.Namespace) -> int:
-    from .inspect.run import plan_inspect, render_matmul_table, render_memory_table, render_notes, run_inspect
+    from .inspect.render import render_matmul_table, render_memory_table, render_notes
+    from .inspect.run import plan_inspect, run_inspect
     try:
         plan = plan_inspect(args.benchmark or args.workload, _recipe_words(args.recipes), device=args.device,
                             batch_size=args.batch_size)
