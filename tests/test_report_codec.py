@@ -142,12 +142,14 @@ DATA = pathlib.Path(__file__).parent / "data"      # made by the CLI before the 
 
 
 def _same_as_written(cls, name: str):
-    """Read an old file; writing it again gives the same JSON but for the "kind" tag it gained."""
+    """Read an old file; writing it again gives the same JSON but for the tags it gained (kind, version)."""
     text = (DATA / name).read_text()
     report = cls.from_json(text)
     old, new = json.loads(text), json.loads(report.to_json())
-    assert new.pop("kind") == cls.SCHEMA.kind
-    old.pop("kind", None)
+    assert new["kind"] == cls.SCHEMA.kind and new["schema_version"] == 1
+    for tag in ("kind", "schema_version"):
+        if tag not in old:
+            del new[tag]
     assert new == old
     assert cls.from_json(report.to_json()) == report
     return report
@@ -189,3 +191,42 @@ def test_an_inspect_report_from_the_old_writer_reads():
     # Batch 64. Forward: 2*64*64*256 + 2*64*256*10 FLOPs. Backward: both weight gradients and the second
     # layer's input gradient (the data needs none): 2*256*64*64 + 2*10*64*256 + 2*64*10*256.
     assert report.tensor_cores.total_flops == 2 * (2 * 64 * 64 * 256) + 3 * (2 * 64 * 256 * 10) == 5_177_344
+
+
+def test_a_trace_from_the_old_writer_reads():
+    from mixprec.lab.trace.report import TraceReport
+    report = _same_as_written(TraceReport, "trace-v1.json")      # written untagged by OpTrace.to_json
+    assert report.recipe.startswith("params=fp32,compute=bf16")
+    first = report.select(module="0", phase="forward", op="addmm")[0]
+    assert first.output == "bf16" and first.inputs == ("bf16",) * 3 and first.count == 1
+
+
+@pytest.mark.parametrize("reader, name, kind", [
+    ("mixprec.lab.compare.report:CompareReport", "doctor-v1.json", "doctor"),
+    ("mixprec.lab.doctor.report:DoctorReport", "inspect-v1.json", "inspect"),
+    ("mixprec.lab.inspect.report:InspectReport", "doctor-fp8-v1.json", "doctor"),
+    ("mixprec.lab.trace.report:TraceReport", "inspect-v1.json", "inspect"),
+])
+def test_each_reader_refuses_another_tools_file_by_its_kind(reader, name, kind):
+    import importlib
+    module, cls = reader.split(":")
+    with pytest.raises(ValueError, match=f"its kind is '{kind}'"):
+        getattr(importlib.import_module(module), cls).from_json((DATA / name).read_text())
+
+
+def test_inspect_kernel_profiles_round_trip_and_render():
+    """Kernel profiles are written on CUDA only; their JSON and note are checked here with made-up times."""
+    from mixprec.diagnostics.tensor_cores import KernelTime
+    from mixprec.lab.inspect.render import render_notes
+    from mixprec.lab.inspect.report import InspectReport, RecipeKernels
+    report = InspectReport.from_json((DATA / "inspect-v1.json").read_text())
+    fp32, bf16 = (m.recipe for m in report.memory)
+    kernels = (RecipeKernels(fp32, (KernelTime("gemm_f32", 6, 300.0, False), KernelTime("relu", 6, 100.0, False))),
+               RecipeKernels(bf16, (KernelTime("sm90_xmma_gemm_bf16", 6, 150.0, True),
+                                    KernelTime("relu", 6, 50.0, False))))
+    report = dataclasses.replace(report, kernels=kernels)
+    data = json.loads(report.to_json())
+    assert [k["tensor_core_share"] for k in data["kernels"]] == [0.0, 0.75]     # 150 of 200 us
+    assert InspectReport.from_json(report.to_json()) == report
+    notes = render_notes(report)
+    assert "bf16 on cpu: 75% of GPU kernel time in tensor-core kernels (longest: sm90_xmma_gemm_bf16)" in notes

@@ -2,7 +2,7 @@
 
 For an fp8 recipe the doctor turns on exact counting (``count_fp8_ranges``) before it trains and keeps
 ``fp8_layer_stats`` and the engine's swap report in the ``DoctorReport`` (fields ``fp8_layers`` and
-``fp8_swap``; empty/None for other recipes; their JSON is in doctor_report). This module renders them:
+``fp8_swap``; empty/None for other recipes; their JSON is in report.py). This module renders them:
 the swap summary lines, the fp8 table and the fp8 findings::
 
     for line in fp8_swap_lines(report.fp8_swap):   # "fp8: 1 of 2 linear layers swapped, ...", reasons

@@ -3,7 +3,7 @@
 Two phases, like compare: ``plan_doctor`` checks every input (workload, recipe and device, steps, seed,
 module names) before anything trains; ``run_doctor`` trains with a
 :class:`~mixprec.diagnostics.ranges.RangeCollector` open on every step and returns a typed
-:class:`~mixprec.lab.doctor_report.DoctorReport`::
+:class:`~mixprec.lab.doctor.report.DoctorReport`::
 
     plan = plan_doctor("mlp", "fp16", steps=20, device="cpu")
     report = run_doctor(plan)
