@@ -62,7 +62,7 @@ def memory_figure(run: RunResult) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes in decimal units (MB = 10**6 bytes, as the seeds count)."""
+    """Bytes in decimal units (MB = 10**6 bytes: a million fp32 values are 4 MB)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
