@@ -33,9 +33,10 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-__all__ = ["Schema", "attr", "write_report", "read_report", "to_data", "from_data", "dumps", "decode_float"]
+__all__ = ["Schema", "JsonReport", "attr", "write_report", "read_report", "to_data", "from_data", "dumps",
+           "decode_float"]
 
 T = TypeVar("T")
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -67,6 +68,22 @@ class Schema:
 def attr(name: str) -> Callable[[Any, Any], Any]:
     """A ``derived`` entry that writes the object's own property ``name`` (e.g. a computed total)."""
     return lambda _report, obj: getattr(obj, name)
+
+
+class JsonReport:
+    """Base of the report dataclasses: ``to_json`` and ``from_json`` through this codec, by their ``SCHEMA``."""
+
+    SCHEMA: ClassVar[Schema]
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Strict JSON text, tagged with the report's kind and schema version (schema in its module)."""
+        return write_report(self, indent)
+
+    @classmethod
+    def from_json(cls: type[T], text: str) -> T:
+        """Read ``to_json``'s text back (or an older version the schema knows); a file of another kind,
+        a newer version or a field that does not fit is a ValueError that says which."""
+        return read_report(cls, text)
 
 
 class _Mismatch(ValueError):

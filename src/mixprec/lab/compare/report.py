@@ -48,14 +48,14 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from ..codec import Schema, read_report, write_report
+from ..codec import JsonReport, Schema
 from ..trainer import RunResult
 
 __all__ = ["CompareReport"]
 
 
 @dataclasses.dataclass(frozen=True)
-class CompareReport:
+class CompareReport(JsonReport):
     """One workload trained under several recipes on one device, with the same seed and steps."""
 
     # Version 1 files were written before reports had a "kind": a file without one reads as compare.
@@ -82,12 +82,3 @@ class CompareReport:
             if r.label == label:
                 return r
         raise KeyError(f"no run labelled {label!r} in this report; it has {[r.label for r in self.runs]}")
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The report as strict JSON text (schema in the module docstring)."""
-        return write_report(self, indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> CompareReport:
-        """Read a report written by ``to_json``; a wrong kind or newer schema is a ValueError saying so."""
-        return read_report(cls, text)

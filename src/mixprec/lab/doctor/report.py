@@ -63,13 +63,13 @@ from ...diagnostics.fp8 import Fp8LayerStats
 from ...diagnostics.ranges import ModuleRanges
 from ...diagnostics.scale_window import ScaleWindow, scale_window
 from ...fp8.swap import Fp8SwapReport
-from ..codec import Schema, attr, read_report, write_report
+from ..codec import JsonReport, Schema, attr
 
 __all__ = ["DoctorReport"]
 
 
 @dataclasses.dataclass(frozen=True)
-class DoctorReport:
+class DoctorReport(JsonReport):
     """One doctor run: per-module ranges over ``steps`` steps of ``recipe``, and the scale window."""
 
     SCHEMA: ClassVar[Schema] = Schema(
@@ -107,12 +107,3 @@ class DoctorReport:
     def module_window(self, module: ModuleRanges) -> ScaleWindow:
         """The loss-scale window of one module's gradients alone."""
         return scale_window(module.gradients(), self.small_fraction, self.margin)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """Strict JSON text (schema in the module docstring)."""
-        return write_report(self, indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> DoctorReport:
-        """Read ``to_json``'s text back; a wrong kind or schema is a ValueError that names the field."""
-        return read_report(cls, text)

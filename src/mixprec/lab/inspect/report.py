@@ -40,7 +40,7 @@ from typing import ClassVar
 
 from ...diagnostics.memory_report import MemoryReport
 from ...diagnostics.tensor_cores import Fix, KernelProfile, KernelTime, MatmulOp, TensorCoreReport
-from ..codec import Schema, attr, read_report, write_report
+from ..codec import JsonReport, Schema, attr
 
 __all__ = ["InspectReport", "RecipeKernels"]
 
@@ -61,7 +61,7 @@ class RecipeKernels:
 
 
 @dataclasses.dataclass(frozen=True)
-class InspectReport:
+class InspectReport(JsonReport):
     """Memory per recipe and every matmul of one traced training step of a workload."""
 
     SCHEMA: ClassVar[Schema]
@@ -90,14 +90,6 @@ class InspectReport:
     def fixes(self) -> dict[int, list[Fix]]:
         return {k: self.tensor_cores.fixes(k) for k in MULTIPLES}
 
-    def to_json(self, indent: int | None = 2) -> str:
-        """Strict JSON (schema in the module docstring)."""
-        return write_report(self, indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> InspectReport:
-        """Read ``to_json``'s text back; a wrong kind or schema is a ValueError that names the field."""
-        return read_report(cls, text)
 
 
 InspectReport.SCHEMA = Schema("inspect", 1, derived={

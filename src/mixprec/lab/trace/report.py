@@ -23,13 +23,13 @@ import dataclasses
 from typing import ClassVar
 
 from ...diagnostics.optrace import OpTrace
-from ..codec import Schema, read_report, write_report
+from ..codec import JsonReport, Schema
 
 __all__ = ["TraceReport"]
 
 
 @dataclasses.dataclass(frozen=True)
-class TraceReport(OpTrace):
+class TraceReport(JsonReport, OpTrace):
     """An ``OpTrace`` (``select``, ``counts_by_dtype``) that reads and writes the lab's report JSON."""
 
     # Version 1 files were written untagged, by OpTrace.to_json: a file without tags reads as trace.
@@ -38,12 +38,3 @@ class TraceReport(OpTrace):
     @classmethod
     def of(cls, trace: OpTrace) -> TraceReport:
         return cls(**{f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)})
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """Strict JSON text (schema in the module docstring)."""
-        return write_report(self, indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> TraceReport:
-        """Read ``to_json``'s text (or an untagged version-1 file) back; a wrong kind or schema is a ValueError."""
-        return read_report(cls, text)
