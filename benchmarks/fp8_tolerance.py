@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from mixprec.fp8 import probe_scaled_mm
-from mixprec.lab.compare import plan_compare, run_compare
+from mixprec.lab.compare.run import plan_compare, run_compare
 
 
 def main() -> None:

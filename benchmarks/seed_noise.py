@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from mixprec.lab.compare import DEFAULT_RECIPES, plan_compare, run_compare
+from mixprec.lab.compare.run import DEFAULT_RECIPES, plan_compare, run_compare
 
 
 def main() -> None:

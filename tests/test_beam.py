@@ -4,7 +4,7 @@ dynamic scale recovers fp32's, and the doctor sees it coming from the gradient h
 import pytest
 import torch
 
-from mixprec.lab.doctor import plan_doctor, run_doctor
+from mixprec.lab.doctor.run import plan_doctor, run_doctor
 from mixprec.lab.trainer import train
 from mixprec.lab.workloads import get_workload
 
@@ -44,7 +44,7 @@ def test_the_doctor_predicts_it_from_the_histograms():
 
 
 def test_without_a_loss_scale_the_doctor_sees_the_flush_as_zeros():
-    from mixprec.lab.doctor_report import render_findings
+    from mixprec.lab.doctor.render import render_findings
     report = run_doctor(plan_doctor("beam", "params=fp32,compute=fp16,scale=none", steps=3, device="cpu"))
     hidden = report.modules[0].gradients()
     assert hidden.zeros == hidden.count                   # flushed in backward: nothing reached layer 0

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from mixprec.diagnostics.memory import MemoryBreakdown
-from mixprec.lab.report import SCHEMA_VERSION, CompareReport, render_notes, render_table
+from mixprec.lab.compare.render import render_notes, render_table
+from mixprec.lab.compare.report import CompareReport
 from mixprec.lab.trainer import RunResult, batch_order
 
 RECIPES = ["fp32", "fp16", "bf16", "fp16-pure"]
@@ -41,7 +42,7 @@ def report_json(report_path):
 
 # ------------------------------------------------------------------------------------ the report
 def test_report_holds_every_requested_recipe_in_order(report_json):
-    assert report_json["schema_version"] == SCHEMA_VERSION
+    assert report_json["schema_version"] == CompareReport.SCHEMA.version
     assert [r["label"] for r in report_json["runs"]] == RECIPES
     assert report_json["workload"] == "mlp"
     assert report_json["device"] == "cpu"
@@ -277,7 +278,7 @@ def test_compare_out_that_is_a_file_is_refused_before_training(tmp_path):
 
 
 def test_tiny_losses_keep_their_digits_in_the_table():
-    from mixprec.lab.report import _loss_text
+    from mixprec.lab.compare.render import _loss_text
     # beam's MSE is ~1e-9 m^2: four decimals would print every recipe as 0.0000.
     assert _loss_text(1.019e-9) == "1.019e-09"
     assert _loss_text(0.0315) == "0.0315" and _loss_text(0.0) == "0.0000"

@@ -9,8 +9,9 @@ import pytest
 
 from mixprec.diagnostics.range_collector import KINDS
 from mixprec.lab.cli import main
-from mixprec.lab.doctor_fp8 import fp8_swap_lines, render_fp8_findings
-from mixprec.lab.doctor_report import DoctorReport, layer_rows
+from mixprec.lab.doctor.render_fp8 import fp8_swap_lines, render_fp8_findings
+from mixprec.lab.doctor.render import layer_rows
+from mixprec.lab.doctor.report import DoctorReport
 
 TESTS = Path(__file__).parent
 STEPS = 3

@@ -11,8 +11,8 @@ import torch
 from mixprec import MixedPrecision
 from mixprec.fp8 import count_fp8_ranges, fp8_layer_stats
 from mixprec.lab.cli import main
-from mixprec.lab.doctor_fp8 import render_fp8_findings, render_fp8_table
-from mixprec.lab.doctor_report import DoctorReport
+from mixprec.lab.doctor.render_fp8 import render_fp8_findings, render_fp8_table
+from mixprec.lab.doctor.report import DoctorReport
 from mixprec.lab.trainer import batch_order
 from mixprec.lab.workloads import get_workload
 

@@ -184,7 +184,7 @@ def test_values_that_round_down_to_the_max_do_not_count_as_saturated():
 
 
 def test_recipes_reach_the_lab_and_devices():
-    from mixprec.lab.compare import plan_compare
+    from mixprec.lab.compare.run import plan_compare
     plan = plan_compare("mlp", ["fp8", "fp8-delayed", "bf16"], steps=5, device="cpu")
     assert [r.label for r in plan.recipes] == ["fp8", "fp8-delayed", "bf16"]
     assert supports(parse_recipe("fp8-delayed"), "cpu").ok

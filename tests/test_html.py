@@ -13,8 +13,9 @@ import struct
 import pytest
 
 from mixprec.diagnostics.memory import MemoryBreakdown
-from mixprec.lab.html import _loss_plot, render_html
-from mixprec.lab.report import CompareReport, short_names
+from mixprec.lab.compare.html import _loss_plot, render_html
+from mixprec.lab.compare.render import short_names
+from mixprec.lab.compare.report import CompareReport
 from mixprec.recipe import get_recipe
 from mixprec.lab.trainer import RunResult
 

@@ -114,6 +114,6 @@ def test_regions_survive_an_exception_in_forward():
 
 
 def test_compare_plan_catches_a_module_typo_before_training():
-    from mixprec.lab.compare import plan_compare
+    from mixprec.lab.compare.run import plan_compare
     with pytest.raises(ValueError, match="did you mean lm_head"):
         plan_compare("gpt", ["bf16", "bf16,modules=lm_haed:fp32"], steps=1, device="cpu")

@@ -137,6 +137,6 @@ def test_unknown_op_names_suggest_close_ones():
 
 
 def test_compare_words_keep_edits_with_the_named_recipe_before_them():
-    from mixprec.lab.cli import _recipe_words
+    from mixprec.lab.cli_args import recipe_words as _recipe_words
     assert _recipe_words(["fp32,bf16,fp32_ops=softmax,modules=lm_head:fp32", "bf16,low_ops=bmm,fp16"]) == [
         "fp32", "bf16,fp32_ops=softmax,modules=lm_head:fp32", "bf16,low_ops=bmm", "fp16"]

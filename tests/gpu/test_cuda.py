@@ -71,7 +71,7 @@ def test_fp16_matches_fp32_on_gpu():
 
 
 def test_compare_on_cuda_records_the_allocator_peak(tmp_path):
-    from mixprec.lab.compare import plan_compare, run_compare
+    from mixprec.lab.compare.run import plan_compare, run_compare
     report = run_compare(plan_compare("mlp", ["fp32", "bf16", "fp16"], steps=30, device="cuda"))
     for run in report.runs:
         assert run.memory.peak is not None and run.memory.peak >= run.memory.params

@@ -11,38 +11,30 @@ Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or
 HTML page beside it), and the paths written to stderr. A user mistake prints one line,
 ``mixprec: error: <what and how to fix it>``, and exits with status 2; everything is checked before any
 training starts.
+
+Each tool lives in its own subpackage, shaped the same way: ``run.py`` (plan and run), ``report.py`` (the
+report dataclass; its JSON through ``lab/codec.py``), ``render.py`` (the console tables; ``html.py`` for
+a page), ``cli.py`` (``add_parser`` and ``handle``). This module only assembles their parsers and
+dispatches.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-
-import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import __version__
-from ..recipe import get_recipe, split_top_level
-from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
-from .doctor_cli import add_doctor_parser, plan_from_args, run_and_print
-from .report import CompareReport, render_notes, render_table, short_names
-from .trace import add_trace_parser, plan_trace
-from .trainer import TrainProgress
-from .cli_args import add_device_arg, add_workload_args
+from .cli_args import UsageError
+from .compare import cli as compare_cli
+from .doctor import cli as doctor_cli
+from .inspect import cli as inspect_cli
+from .trace import cli as trace_cli
 
 __all__ = ["main"]
 
 _USAGE_ERROR = 2
 _INTERRUPTED = 130
-
-
-class _UsageError(Exception):
-    """A user mistake found while checking the command; its message says how to fix it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except SystemExit as e:            # --help and --version exit through argparse
         return e.code if isinstance(e.code, int) else 0
-    except (_UsageError, OSError) as e:
+    except (UsageError, OSError) as e:
         # User mistakes (bad words, unwritable paths) arrive here with the fix in the message. Errors
         # raised while training are not caught: they are bugs and keep their traceback.
         message = " ".join(str(e).split())
@@ -63,12 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _INTERRUPTED
 
 
-# ---------------------------------------------------------------------------------------- parsing
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad argument raises ValueError so main prints it as one line like every error."""
+    """argparse, but a bad argument raises UsageError so main prints it as one line like every error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise _UsageError(f"{message} (see '{self.prog} --help')")
+        raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,286 +67,13 @@ def _parser() -> argparse.ArgumentParser:
                                                  "hurts.")
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     commands = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
-
-    compare = commands.add_parser(
-        "compare", help="train a built-in workload under several recipes and compare them",
-        description="Train a built-in workload under each recipe from the same initial weights and "
-                    "data order; print final train loss, test accuracy, samples/s, skipped steps and "
-                    "the final loss scale.")
-    add_workload_args(compare, "(synthetic data at realistic sizes, for speed and memory on a GPU)")
-    compare.add_argument("--recipes", nargs="+", metavar="RECIPE", default=None,
-                         help="recipe names and/or full recipe strings, joined by commas or spaces, "
-                              "e.g. fp32,bf16,params=bf16,compute=bf16,rounding=stochastic "
-                              f"(default: {','.join(DEFAULT_RECIPES)})")
-    compare.add_argument("--steps", type=int, default=None,
-                         help="optimizer steps per recipe (default: the workload's, 500 for mlp)")
-    add_device_arg(compare)
-    compare.add_argument("--seed", type=int, default=0,
-                         help="fixes the initial weights and minibatch order (default: 0)")
-    compare.add_argument("--eval-every", type=int, default=None, metavar="K",
-                         help="measure the test metric every K steps (default: ten times per run)")
-    compare.add_argument("--json", metavar="PATH", type=Path, default=None,
-                         help="also write the report as JSON to PATH")
-    compare.add_argument("--out", metavar="DIR", type=Path, default=None,
-                         help="write DIR/report.json and DIR/report.html (a self-contained page with "
-                              "plots); DIR is created if missing")
-    compare.add_argument("--threads", type=int, default=None,
-                         help="torch CPU threads (default: torch's own choice; 1 keeps the small built-in "
-                              "workloads steady on a machine where other processes hold cores)")
-    compare.add_argument("--nproc", type=int, default=1, metavar="N",
-                         help="train each recipe on N processes (gloo on cpu, nccl with one GPU each), "
-                              "every global batch split between them (default: 1)")
-    compare.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
-                         help="with --nproc > 1: DDP (replicated) or FSDP2 (sharded) (default: ddp)")
-    compare.set_defaults(handler=_compare)
-
-    report = commands.add_parser(
-        "report", help="render the HTML page of a JSON report written by compare",
-        description="Read a JSON report written by 'mixprec compare' (with --out or --json), write "
-                    "its self-contained HTML page (no network needed to view it) and print its table.")
-    report.add_argument("json", metavar="RUN.json", type=Path, help="the JSON report to render")
-    report.add_argument("--out", metavar="PAGE.html", type=Path, default=None,
-                        help="where to write the page (default: RUN.json's path with .html)")
-    report.set_defaults(handler=_report)
-    add_trace_parser(commands)
-    commands.choices["trace"].set_defaults(handler=_trace)
-    _add_inspect(commands)
-    add_doctor_parser(commands).set_defaults(handler=_doctor)
+    # The order of `mixprec --help`: each add_parser sets its own handler.
+    compare_cli.add_parser(commands)
+    compare_cli.add_report_parser(commands)
+    trace_cli.add_parser(commands)
+    inspect_cli.add_parser(commands)
+    doctor_cli.add_parser(commands)
     return parser
-
-
-def _add_inspect(commands) -> None:
-    inspect = commands.add_parser(
-        "inspect", help="memory per recipe and the matmuls that miss tensor cores, without training",
-        description="Trace one training step of a workload without allocating its model: predicted "
-                    "memory by role per recipe (measured beside it where the model fits: built-in "
-                    "workloads, or any on a GPU) and every matmul/convolution with its FLOPs, flagging "
-                    "dimensions that are not multiples of 8 (fp16/bf16) or 16 (fp8), with the padding "
-                    "that fixes them.")
-    add_workload_args(inspect, "(predicted only on a CPU)")
-    inspect.add_argument("--recipes", nargs="+", metavar="RECIPE", default=None,
-                         help=f"recipes as for compare (default: {','.join(DEFAULT_RECIPES)})")
-    add_device_arg(inspect)
-    inspect.add_argument("--batch-size", type=int, default=None,
-                         help="batch to trace (default: the workload's); try one that is a multiple of 8")
-    inspect.add_argument("--json", metavar="PATH", type=Path, default=None,
-                         help="also write the report as JSON to PATH (schema: mixprec.lab.inspect)")
-    inspect.set_defaults(handler=_inspect)
-
-
-def _recipe_words(values: Sequence[str] | None) -> list[str]:
-    """Split ``--recipes`` words into recipe specs for ``get_recipe``.
-
-    Names are joined by commas; a full recipe string's commas separate its keys, so consecutive
-    ``key=value`` items form one recipe until a key repeats::
-
-        ["fp32,params=bf16,compute=bf16,fp16"] -> ["fp32", "params=bf16,compute=bf16", "fp16"]
-        ["fp32,bf16,fp32_ops=softmax"] -> ["fp32", "bf16,fp32_ops=softmax"]
-    """
-    if values is None:
-        return list(DEFAULT_RECIPES)
-    specs: list[str] = []
-    for value in values:
-        group: list[str] = []           # key=value items of the recipe string being read
-        for item in split_top_level(value):
-            key, is_pair, _ = item.partition("=")
-            if is_pair and key.strip() not in {g.partition("=")[0].strip() for g in group}:
-                group.append(item)
-                continue
-            if group:
-                specs.append(",".join(group))
-            group = [item] if is_pair else []
-            if not is_pair:
-                specs.append(item)
-        if group:
-            specs.append(",".join(group))
-    # Op-list and module keys right after a name edit that named recipe: bf16,fp32_ops=softmax.
-    merged: list[str] = []
-    for spec in specs:
-        keys = {item.partition("=")[0].strip() for item in split_top_level(spec)}
-        if merged and "=" not in split_top_level(merged[-1])[0] and "=" in spec and keys <= _EDIT_KEYS:
-            merged[-1] += "," + spec
-        else:
-            merged.append(spec)
-    return merged
-
-
-_EDIT_KEYS = {"fp32_ops", "low_ops", "follow_ops", "modules"}
-
-
-# ---------------------------------------------------------------------------------------- compare
-def _compare(args: argparse.Namespace) -> int:
-    try:
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
-        plan = plan_compare(args.benchmark or args.workload, _recipe_words(args.recipes), steps=args.steps,
-                            device=args.device, seed=args.seed, eval_every=args.eval_every,
-                            nproc=args.nproc, parallel=args.parallel)
-        if args.json is not None:
-            _check_writable(args.json, "--json")
-        if args.out is not None:
-            _make_out_dir(args.out)
-            for name in ("report.json", "report.html"):
-                _check_writable(args.out / name, "--out",
-                                fix="remove it or choose another --out directory")
-    except (ValueError, TypeError) as e:
-        raise _UsageError(str(e)) from e
-
-    # torch's thread count is process-global: set for the runs, restored for whoever called main().
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or saved_threads)
-    try:
-        report = _run_with_progress(plan, Console(stderr=True))
-    finally:
-        torch.set_num_threads(saved_threads)
-
-    json_paths = [args.json] if args.json is not None else []
-    if args.out is not None:
-        json_paths.append(args.out / "report.json")
-    for path in json_paths:
-        path.write_text(report.to_json() + "\n")
-        print(f"report written to {path}", file=sys.stderr)
-    if args.out is not None:
-        _write_page(report, args.out / "report.html")
-    _print_table(report)
-    return 0
-
-
-def _print_table(report: CompareReport) -> None:
-    out = Console(highlight=False)
-    out.print(render_table(report))
-    for note in render_notes(report):
-        out.print(note, soft_wrap=True)
-
-
-def _write_page(report: CompareReport, path: Path) -> None:
-    # Imported here: matplotlib takes most of a second to import, and only pages need it.
-    from .html import render_html
-    # Bytes, not text: no newline translation, so a page re-rendered from the JSON is byte-identical.
-    path.write_bytes(render_html(report).encode("utf-8"))
-    print(f"HTML page written to {path}", file=sys.stderr)
-
-
-def _run_with_progress(plan: ComparePlan, console: Console) -> CompareReport:
-    """``run_compare`` with a bar per recipe: steps, last loss, samples/s, elapsed."""
-    names = short_names((str(r), r.label) for r in plan.recipes)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} samples/s"),
-                  TimeElapsedColumn(), console=console) as progress:
-        tasks = [progress.add_task(names[str(r)], total=plan.steps, start=False, loss="-", speed="-")
-                 for r in plan.recipes]
-
-        def on_progress(run: int, p: TrainProgress) -> None:
-            if p.step == 0:
-                progress.start_task(tasks[run])   # a bar's clock starts with its run
-                return
-            speed = f"{p.samples_per_s:,.0f}" if math.isfinite(p.samples_per_s) else "-"
-            progress.update(tasks[run], completed=p.step, loss=f"{p.loss:.4f}", speed=speed)
-
-        return run_compare(plan, on_progress)
-
-
-# ----------------------------------------------------------------------------------------- doctor
-def _doctor(args: argparse.Namespace) -> int:
-    """Per-layer ranges of one recipe on one workload (lab/doctor_cli.py does the work)."""
-    try:
-        plan = plan_from_args(args, _check_writable, _make_out_dir)
-    except (ValueError, TypeError) as e:
-        raise _UsageError(str(e)) from e
-    return run_and_print(args, plan)
-
-
-# ----------------------------------------------------------------------------------------- report
-def _report(args: argparse.Namespace) -> int:
-    """Re-render a JSON report: its HTML page, and its table on stdout."""
-    out = args.out if args.out is not None else args.json.with_suffix(".html")
-    try:
-        if out.resolve() == args.json.resolve():
-            raise ValueError(f"--out {out} is the report itself; give the page another name, e.g. "
-                             f"--out {args.json.with_name(args.json.stem + '-page.html')}")
-        try:
-            text = args.json.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"cannot read {args.json} ({e.strerror}); give the path of a report written "
-                             "by 'mixprec compare --out DIR' (DIR/report.json) or '--json PATH'") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"{args.json} is not a mixprec report: it is not UTF-8 text") from None
-        report = CompareReport.from_json(text)
-        for i, run in enumerate(report.runs):
-            try:
-                get_recipe(run.recipe)
-            except ValueError as e:
-                raise ValueError(f"{args.json}: runs[{i}].recipe: {e}") from None
-        _check_writable(out, "--out", fix=f"give a file path, e.g. --out {out / 'report.html'}")
-    except (ValueError, TypeError) as e:
-        raise _UsageError(str(e)) from e
-    _write_page(report, out)
-    _print_table(report)
-    return 0
-
-
-def _trace(args: argparse.Namespace) -> int:
-    try:
-        run = plan_trace(args, _check_writable)
-    except (ValueError, TypeError) as e:
-        raise _UsageError(str(e)) from e
-    return run()
-# ---------------------------------------------------------------------------------------- inspect
-def _inspect(args: argparse.Namespace) -> int:
-    from .inspect import plan_inspect, render_matmul_table, render_memory_table, render_notes, run_inspect
-    try:
-        plan = plan_inspect(args.benchmark or args.workload, _recipe_words(args.recipes), device=args.device,
-                            batch_size=args.batch_size)
-        if args.json is not None:
-            _check_writable(args.json, "--json")
-        report = run_inspect(plan)    # traces; a model that cannot be traced is a ValueError saying so
-    except (ValueError, TypeError) as e:
-        raise _UsageError(str(e)) from e
-    if args.json is not None:
-        args.json.write_text(report.to_json() + "\n")
-        print(f"report written to {args.json}", file=sys.stderr)
-    out = Console(highlight=False)
-    out.print(render_memory_table(report))
-    out.print(render_matmul_table(report))
-    for line in render_notes(report):
-        out.print(line, soft_wrap=True)
-    return 0
-
-
-def _make_out_dir(path: Path) -> None:
-    """Create ``--out``'s directory (and its parents) now, so a bad path fails before training."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {path} is a file; give a directory for report.json and report.html, "
-                         f"e.g. --out {path.with_suffix('')}-report")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {path}: cannot create the directory ({e.strerror}); choose a path in a "
-                         "writable directory") from None
-
-
-def _check_writable(path: Path, option: str, fix: str | None = None) -> None:
-    """Fail now, not after training, if ``option``'s file cannot be written to ``path``.
-
-    ``fix`` says what to do when ``path`` is a directory (default: name a file in it).
-    """
-    if path.is_dir():
-        fix = fix or f"give a file path, e.g. {option} {path / 'compare.json'}"
-        raise ValueError(f"{option} {path} is a directory; {fix}")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"{option} {path}: directory {parent} does not exist; create it "
-                         f"(mkdir -p {parent}) or choose another path")
-    existed = path.exists()
-    try:
-        # Open for append: proves we may write there without truncating an existing file now.
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{option} {path} is not writable ({e.strerror}); choose a path in a writable "
-                         "directory") from None
-    if not existed:
-        os.unlink(path)
 
 
 if __name__ == "__main__":

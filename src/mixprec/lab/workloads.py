@@ -12,13 +12,13 @@ metrics compare across seeds and recipes. Three kinds, one lookup::
     Traceback (most recent call last):
     ValueError: unknown workload 'resnet'; built-in: mlp, cnn, gpt, beam; benchmarks (...): resnet50, gpt2; ...
 
-- ``WORKLOADS``, real data that trains in seconds on a CPU: ``mlp`` (the seed's MLP on scikit-learn's
+- ``WORKLOADS``, real data that trains in seconds on a CPU: ``mlp`` (a 2-layer MLP, 64-256-10, on scikit-learn's
   8x8 digits), ``cnn`` (a small ResNet with BatchNorm on the same digits), ``gpt`` (a character-level
   nanoGPT on the Python documentation that ships with CPython, ``pydoc_data.topics``: no download),
   ``beam`` (cantilever deflection curves in metres, computed from the beam equation: a regression
   where fp16 without loss scaling loses accuracy because its gradients underflow).
 - ``BENCHMARKS``, synthetic data at realistic sizes, for speed and memory on a GPU: ``resnet50``
-  (ResNet-50, 224x224 images, batch 256, like seed 001's ``--benchmark 1``) and ``gpt2`` (GPT-2 small,
+  (ResNet-50, 224x224 images, batch 256, like MXNet's float16 ``train_imagenet.py --benchmark 1``) and ``gpt2`` (GPT-2 small,
   124M parameters, 1024 tokens, batch 12). Their metric is the loss on a random batch: it says nothing
   about accuracy, only that the numbers stayed finite.
 - Your own, named ``package.module:function``: see ``user_workloads.load_user_workload``. The function takes no
@@ -149,7 +149,7 @@ def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 # ------------------------------------------------------------------------------- mlp and cnn
-# The seed's 2-layer MLP (seed 002 trains one on MNIST), on the 8x8 digits that ship with
+# A 2-layer MLP (the classic first loss-scaling example trains one on MNIST), on the 8x8 digits that ship with
 # scikit-learn: 1797 real handwritten digits, no download.
 
 _DIGITS_FEATURES = 64      # 8x8 pixels
@@ -337,7 +337,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (MLP, CNN, GPT_CHAR, BEAM)}
 # batches (the trainer indexes rows, so any step reads real-sized batches), from a fixed generator.
 
 _BENCH_SEED = 0
-_RESNET50_BATCH = 256        # seed 001: train_imagenet.py --benchmark 1 --batch-size 256
+_RESNET50_BATCH = 256        # MXNet's float16 ResNet-50: train_imagenet.py --benchmark 1 --batch-size 256
 _IMAGE_SIZE = 224
 _IMAGENET_CLASSES = 1000
 _GPT2_BATCH = 12             # nanoGPT's GPT-2 batch per step (before gradient accumulation)

@@ -3,7 +3,7 @@
 Two phases, like compare: ``plan_doctor`` checks every input (workload, recipe and device, steps, seed,
 module names) before anything trains; ``run_doctor`` trains with a
 :class:`~mixprec.diagnostics.range_collector.RangeCollector` open on every step and returns a typed
-:class:`~mixprec.lab.doctor_report.DoctorReport`::
+:class:`~mixprec.lab.doctor.report.DoctorReport`::
 
     plan = plan_doctor("mlp", "fp16", steps=20, device="cpu")
     report = run_doctor(plan)
@@ -26,16 +26,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import __version__
-from ..devices import device_name, supports
-from ..fp8.stats import count_fp8_ranges, fp8_layer_stats
-from ..diagnostics.range_collector import RangeCollector, select_modules
-from ..diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
-from ..engine import MixedPrecision
-from ..recipe import RECIPES, Recipe, get_recipe
-from .doctor_report import DoctorReport
-from .trainer import TrainProgress, batch_order, check_seed, check_steps, resolve_run
-from .workloads import Workload
+from ... import __version__
+from ...devices import device_name, supports
+from ...fp8.stats import count_fp8_ranges, fp8_layer_stats
+from ...diagnostics.range_collector import RangeCollector, select_modules
+from ...diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
+from ...engine import MixedPrecision
+from ...recipe import RECIPES, Recipe, get_recipe
+from .report import DoctorReport
+from ..trainer import TrainProgress, batch_order, check_seed, check_steps, resolve_run
+from ..workloads import Workload
 
 __all__ = ["DEFAULT_RECIPE", "DEFAULT_STEPS", "DoctorPlan", "plan_doctor", "run_doctor"]
 

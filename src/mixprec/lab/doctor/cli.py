@@ -1,4 +1,4 @@
-"""``mixprec doctor``: the command's parser and handler (``lab/cli.py`` registers them).
+"""``mixprec doctor``: its parser and handler (``lab/cli.py`` registers them).
 
     mixprec doctor --workload mlp                      # fp16 (dynamic scale), 20 steps, the table
     mixprec doctor --workload deep --recipe fp32 --steps 50 --out runs/doctor   # + doctor.json/.html
@@ -15,22 +15,22 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .cli_args import add_device_arg
-from .doctor import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
-from .doctor_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
-from .doctor_report import DoctorReport, render_doctor_table, render_findings
-from .trainer import TrainProgress
-from .workloads import BENCHMARKS, WORKLOADS
+from ..cli_args import add_device_arg, check_outputs, torch_threads, usage_errors, write_json
+from .run import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
+from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
+from .render import render_doctor_table, render_findings
+from .report import DoctorReport
+from ..trainer import TrainProgress
+from ..workloads import BENCHMARKS, WORKLOADS
 
-__all__ = ["add_doctor_parser", "plan_from_args", "run_and_print"]
+__all__ = ["add_parser", "handle"]
 
 
-def add_doctor_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``doctor`` subcommand to ``mixprec``'s parser; cli.py sets its handler."""
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``doctor`` to ``mixprec``'s subcommands; its handler is ``handle``."""
     doctor = commands.add_parser(
         "doctor", help="per-layer numeric ranges: what underflows or overflows in which format",
         description="Train a workload a few steps under one recipe and measure, per module, the ranges "
@@ -55,53 +55,46 @@ def add_doctor_parser(commands: argparse._SubParsersAction) -> argparse.Argument
     doctor.add_argument("--out", metavar="DIR", type=Path, default=None,
                         help="write DIR/doctor.json and DIR/doctor.html (self-contained, with histograms)")
     doctor.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    doctor.set_defaults(handler=handle)
     return doctor
 
 
-def plan_from_args(args: argparse.Namespace, check_writable, make_out_dir) -> DoctorPlan:
-    """Check the command's words and paths before training; ValueError/TypeError say what to fix.
+def handle(args: argparse.Namespace) -> int:
+    """Check everything, then train with the collector and print the table and findings."""
+    with usage_errors():
+        threads = torch_threads(args.threads)        # checks the count now; sets it for the run below
+        plan = _plan(args)
+    with threads:
+        report = _run_with_progress(plan)
+    return _write_and_print(args, report)
 
-    ``check_writable`` and ``make_out_dir`` are cli.py's path checks (passed in: cli imports us).
-    """
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+
+def _plan(args: argparse.Namespace) -> DoctorPlan:
+    """Check the command's words and paths before training; ValueError/TypeError say what to fix."""
     modules = None if args.modules is None else args.modules.split(",")
     plan = plan_doctor(args.workload, args.recipe, steps=args.steps, device=args.device, seed=args.seed,
                        modules=modules)
-    if args.json is not None:
-        check_writable(args.json, "--json")
-    if args.out is not None:
-        make_out_dir(args.out)
-        for name in ("doctor.json", "doctor.html"):
-            check_writable(args.out / name, "--out", fix="remove it or choose another --out directory")
+    check_outputs(args.json, args.out, ("doctor.json", "doctor.html"))
     return plan
 
 
-def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
-    """Train with the collector, write the report and page, print the table and findings."""
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or saved_threads)
-    try:
-        with Progress(TextColumn(f"doctor {plan.workload.name} under {plan.recipe.label}"), BarColumn(),
-                      MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
-                      console=Console(stderr=True)) as progress:
-            task = progress.add_task("", total=plan.steps, loss="-")
+def _run_with_progress(plan: DoctorPlan) -> DoctorReport:
+    """``run_doctor`` with a progress bar on stderr: steps, last loss, elapsed."""
+    with Progress(TextColumn(f"doctor {plan.workload.name} under {plan.recipe.label}"), BarColumn(),
+                  MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as progress:
+        task = progress.add_task("", total=plan.steps, loss="-")
 
-            def on_progress(p: TrainProgress) -> None:
-                if p.step:
-                    progress.update(task, completed=p.step, loss=f"{p.loss:.4g}")
+        def on_progress(p: TrainProgress) -> None:
+            if p.step:
+                progress.update(task, completed=p.step, loss=f"{p.loss:.4g}")
 
-            report = run_doctor(plan, on_progress)
-    finally:
-        torch.set_num_threads(saved_threads)
+        return run_doctor(plan, on_progress)
 
-    text = report.to_json() + "\n"
-    paths = [args.json] if args.json is not None else []
-    if args.out is not None:
-        paths.append(args.out / "doctor.json")
-    for path in paths:
-        path.write_text(text)
-        print(f"report written to {path}", file=sys.stderr)
+
+def _write_and_print(args: argparse.Namespace, report: DoctorReport) -> int:
+    """Write the report and page, print the table and findings."""
+    write_json(report.to_json(), args.json, args.out, "doctor.json")
     if args.out is not None:
         _write_page(report, args.out / "doctor.html")
     # Piped or redirected, rich would cut the table to 80 columns; long module names need more.
@@ -117,6 +110,6 @@ def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
 
 
 def _write_page(report: DoctorReport, path: Path) -> None:
-    from .doctor_html import render_doctor_html   # matplotlib: only when a page is asked for
+    from .html import render_doctor_html   # matplotlib: only when a page is asked for
     path.write_bytes(render_doctor_html(report).encode("utf-8"))
     print(f"HTML page written to {path}", file=sys.stderr)

@@ -26,10 +26,10 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-from ..recipe import get_recipe
-from .report import (BASELINE, CompareReport, format_bytes, memory_figure, ratio_text, render_notes,
-                     render_table, short_names)
-from .trainer import RunResult
+from ...recipe import get_recipe
+from .render import BASELINE, format_bytes, memory_figure, ratio_text, render_notes, render_table, short_names
+from .report import CompareReport
+from ..trainer import RunResult
 
 __all__ = ["render_html"]
 

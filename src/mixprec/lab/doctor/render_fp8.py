@@ -2,7 +2,7 @@
 
 For an fp8 recipe the doctor turns on exact counting (``count_fp8_ranges``) before it trains and keeps
 ``fp8_layer_stats`` and the engine's swap report in the ``DoctorReport`` (fields ``fp8_layers`` and
-``fp8_swap``; empty/None for other recipes; their JSON is in doctor_report). This module renders them:
+``fp8_swap``; empty/None for other recipes; their JSON is in report.py). This module renders them:
 the swap summary lines, the fp8 table and the fp8 findings::
 
     for line in fp8_swap_lines(report.fp8_swap):   # "fp8: 1 of 2 linear layers swapped, ...", reasons
@@ -20,9 +20,10 @@ import math
 from rich import box
 from rich.table import Table
 
-from ..fp8.stats import Fp8TensorStats
-from ..fp8.swap import Fp8SwapReport
-from .doctor_report import DoctorReport, percent_text
+from ...fp8.stats import Fp8TensorStats
+from ...fp8.swap import Fp8SwapReport
+from .render import percent_text
+from .report import DoctorReport
 
 __all__ = ["fp8_swap_lines", "fp8_rows", "render_fp8_table", "render_fp8_findings"]
 

@@ -20,12 +20,12 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from rich.table import Table
 
-from ..diagnostics.range_histogram import RANGE_FORMATS, TensorStats
-from ..diagnostics.range_collector import KINDS
-from .doctor_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
-from .doctor_report import (DoctorReport, _exp_of, percent_text, pow2_text, render_doctor_table,
-                            render_findings)
-from .html import _CSS, _FULL, _figure, _new_figure, _style, _text
+from ...diagnostics.range_histogram import RANGE_FORMATS, TensorStats
+from ...diagnostics.range_collector import KINDS
+from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
+from .render import _exp_of, percent_text, pow2_text, render_doctor_table, render_findings
+from .report import DoctorReport
+from ..compare.html import _CSS, _FULL, _figure, _new_figure, _style, _text
 
 __all__ = ["render_doctor_html"]
 

@@ -17,14 +17,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import __version__
-from ..casting import check_module_patterns
-from ..devices import device_name, supports
-from ..recipe import RECIPES, Recipe, get_recipe
+from ... import __version__
+from ...casting import check_module_patterns
+from ...devices import device_name, supports
+from ...recipe import RECIPES, Recipe, get_recipe
 from .multiproc import check_parallel, train_on_ranks
 from .report import CompareReport
-from .trainer import TrainProgress, check_seed, check_steps, resolve_run, train
-from .workloads import Workload
+from ..trainer import TrainProgress, check_seed, check_steps, resolve_run, train
+from ..workloads import Workload
 
 __all__ = ["DEFAULT_RECIPES", "ComparePlan", "plan_compare", "run_compare"]
 

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..recipe import Recipe, Rounding
-from ..distributed.spawn import default_backend, run_processes
-from .trainer import RunResult, train
-from .workloads import Workload, get_workload
+from ...recipe import Recipe, Rounding
+from ...distributed.spawn import default_backend, run_processes
+from ..trainer import RunResult, train
+from ..workloads import Workload, get_workload
 
 if TYPE_CHECKING:
-    from .compare import ComparePlan
+    from .run import ComparePlan
 
 __all__ = ["PARALLEL", "check_parallel", "train_on_ranks"]
 

@@ -1,0 +1,153 @@
+"""``mixprec compare`` and ``mixprec report``: their parsers and handlers (``lab/cli.py`` registers them).
+
+    mixprec compare --recipes fp32,bf16 --steps 300 --device cpu --json runs/compare.json
+    mixprec compare --steps 200 --out runs/today      # runs/today/report.json and report.html
+    mixprec report runs/today/report.json --out page.html   # the page again, from the JSON alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ...recipe import get_recipe
+from ..cli_args import (add_device_arg, add_workload_args, check_outputs, check_writable, recipe_words,
+                        torch_threads, usage_errors, write_json)
+from ..trainer import TrainProgress
+from .render import render_notes, render_table, short_names
+from .report import CompareReport
+from .run import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
+
+__all__ = ["add_parser", "handle", "add_report_parser", "handle_report"]
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``compare`` to ``mixprec``'s subcommands; its handler is ``handle``."""
+    compare = commands.add_parser(
+        "compare", help="train a built-in workload under several recipes and compare them",
+        description="Train a built-in workload under each recipe from the same initial weights and "
+                    "data order; print final train loss, test accuracy, samples/s, skipped steps and "
+                    "the final loss scale.")
+    add_workload_args(compare, "(synthetic data at realistic sizes, for speed and memory on a GPU)")
+    compare.add_argument("--recipes", nargs="+", metavar="RECIPE", default=None,
+                         help="recipe names and/or full recipe strings, joined by commas or spaces, "
+                              "e.g. fp32,bf16,params=bf16,compute=bf16,rounding=stochastic "
+                              f"(default: {','.join(DEFAULT_RECIPES)})")
+    compare.add_argument("--steps", type=int, default=None,
+                         help="optimizer steps per recipe (default: the workload's, 500 for mlp)")
+    add_device_arg(compare)
+    compare.add_argument("--seed", type=int, default=0,
+                         help="fixes the initial weights and minibatch order (default: 0)")
+    compare.add_argument("--eval-every", type=int, default=None, metavar="K",
+                         help="measure the test metric every K steps (default: ten times per run)")
+    compare.add_argument("--json", metavar="PATH", type=Path, default=None,
+                         help="also write the report as JSON to PATH")
+    compare.add_argument("--out", metavar="DIR", type=Path, default=None,
+                         help="write DIR/report.json and DIR/report.html (a self-contained page with "
+                              "plots); DIR is created if missing")
+    compare.add_argument("--threads", type=int, default=None,
+                         help="torch CPU threads (default: torch's own choice; 1 keeps the small built-in "
+                              "workloads steady on a machine where other processes hold cores)")
+    compare.add_argument("--nproc", type=int, default=1, metavar="N",
+                         help="train each recipe on N processes (gloo on cpu, nccl with one GPU each), "
+                              "every global batch split between them (default: 1)")
+    compare.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+                         help="with --nproc > 1: DDP (replicated) or FSDP2 (sharded) (default: ddp)")
+    compare.set_defaults(handler=handle)
+    return compare
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Check everything, train each recipe with a progress bar, write the report and page, print the table."""
+    with usage_errors():
+        threads = torch_threads(args.threads)        # checks the count now; sets it for the runs below
+        plan = plan_compare(args.benchmark or args.workload, recipe_words(args.recipes, DEFAULT_RECIPES),
+                            steps=args.steps, device=args.device, seed=args.seed, eval_every=args.eval_every,
+                            nproc=args.nproc, parallel=args.parallel)
+        check_outputs(args.json, args.out, ("report.json", "report.html"))
+    with threads:
+        report = _run_with_progress(plan, Console(stderr=True))
+
+    write_json(report.to_json(), args.json, args.out, "report.json")
+    if args.out is not None:
+        _write_page(report, args.out / "report.html")
+    _print_table(report)
+    return 0
+
+
+def add_report_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``report`` (compare's page again, from its JSON) to ``mixprec``'s subcommands."""
+    report = commands.add_parser(
+        "report", help="render the HTML page of a JSON report written by compare",
+        description="Read a JSON report written by 'mixprec compare' (with --out or --json), write "
+                    "its self-contained HTML page (no network needed to view it) and print its table.")
+    report.add_argument("json", metavar="RUN.json", type=Path, help="the JSON report to render")
+    report.add_argument("--out", metavar="PAGE.html", type=Path, default=None,
+                        help="where to write the page (default: RUN.json's path with .html)")
+    report.set_defaults(handler=handle_report)
+    return report
+
+
+def handle_report(args: argparse.Namespace) -> int:
+    """Re-render a JSON report: its HTML page, and its table on stdout."""
+    out = args.out if args.out is not None else args.json.with_suffix(".html")
+    with usage_errors():
+        if out.resolve() == args.json.resolve():
+            raise ValueError(f"--out {out} is the report itself; give the page another name, e.g. "
+                             f"--out {args.json.with_name(args.json.stem + '-page.html')}")
+        try:
+            text = args.json.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read {args.json} ({e.strerror}); give the path of a report written "
+                             "by 'mixprec compare --out DIR' (DIR/report.json) or '--json PATH'") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{args.json} is not a mixprec report: it is not UTF-8 text") from None
+        report = CompareReport.from_json(text)
+        for i, run in enumerate(report.runs):
+            try:
+                get_recipe(run.recipe)
+            except ValueError as e:
+                raise ValueError(f"{args.json}: runs[{i}].recipe: {e}") from None
+        check_writable(out, "--out", fix=f"give a file path, e.g. --out {out / 'report.html'}")
+    _write_page(report, out)
+    _print_table(report)
+    return 0
+
+
+def _print_table(report: CompareReport) -> None:
+    out = Console(highlight=False)
+    out.print(render_table(report))
+    for note in render_notes(report):
+        out.print(note, soft_wrap=True)
+
+
+def _write_page(report: CompareReport, path: Path) -> None:
+    # Imported here: matplotlib takes most of a second to import, and only pages need it.
+    from .html import render_html
+    # Bytes, not text: no newline translation, so a page re-rendered from the JSON is byte-identical.
+    path.write_bytes(render_html(report).encode("utf-8"))
+    print(f"HTML page written to {path}", file=sys.stderr)
+
+
+def _run_with_progress(plan: ComparePlan, console: Console) -> CompareReport:
+    """``run_compare`` with a bar per recipe: steps, last loss, samples/s, elapsed."""
+    names = short_names((str(r), r.label) for r in plan.recipes)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} samples/s"),
+                  TimeElapsedColumn(), console=console) as progress:
+        tasks = [progress.add_task(names[str(r)], total=plan.steps, start=False, loss="-", speed="-")
+                 for r in plan.recipes]
+
+        def on_progress(run: int, p: TrainProgress) -> None:
+            if p.step == 0:
+                progress.start_task(tasks[run])   # a bar's clock starts with its run
+                return
+            speed = f"{p.samples_per_s:,.0f}" if math.isfinite(p.samples_per_s) else "-"
+            progress.update(tasks[run], completed=p.step, loss=f"{p.loss:.4f}", speed=speed)
+
+        return run_compare(plan, on_progress)
