@@ -13,6 +13,7 @@ from torch import nn
 
 from mixprec.fp8 import Fp8Linear, probe_scaled_mm
 from mixprec.fp8 import fused as fused_mod
+from mixprec.fusion import FusedFunction, FusionWarning
 from mixprec.recipe import Fp8Config
 
 pytestmark = pytest.mark.skipif(not probe_scaled_mm("cpu").ok,
@@ -68,17 +69,17 @@ def test_fused_cast_writes_both_layouts_of_the_same_fp8_values():
 
 
 def test_a_compiler_failure_falls_back_to_the_eager_casts_with_one_notice(monkeypatch):
-    def broken():
-        def fn(*args):
-            raise RuntimeError("no C++ compiler found")
-        return fn
-    monkeypatch.setattr(fused_mod, "_compiled", broken)
-    monkeypatch.setattr(fused_mod, "_broken", [])
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found")
+    fresh = FusedFunction(fused_mod._cast_role, "fp8 cast")
+    fresh._compiled = broken                  # as if torch.compile had failed to build it
+    monkeypatch.setattr(fused_mod, "_fused_cast_role", fresh)
     eager, fused = _twins(Fp8Config())
     x = torch.randn(8, 48)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         y1, y2 = fused(x), fused(x)
-    notes = [w for w in caught if issubclass(w.category, fused_mod.Fp8FusedCastWarning)]
+    notes = [w for w in caught if issubclass(w.category, FusionWarning)]
     assert len(notes) == 1 and "no C++ compiler found" in str(notes[0].message)
+    assert "fp8 cast" in str(notes[0].message) and fresh.broken.startswith("RuntimeError")
     assert torch.equal(y1, eager(x)) and torch.equal(y2, y1)

@@ -13,25 +13,18 @@ computes both in one pass over the tensor.
 The numerics are those of ``scaling.py`` bit for bit (the same functions are what is compiled;
 tests/test_fp8_fused.py checks it). Compiled with ``dynamic=True``: one graph serves every shape.
 Where torch.compile cannot build it (no C++ compiler, no Triton, an old torch) the first call says
-so once (``Fp8FusedCastWarning``) and every cast runs the eager path.
+so once (``fusion.FusionWarning``) and every cast runs the same function eagerly.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from typing import Any
-
 import torch
 
 from ..formats import Format
+from ..fusion import FusedFunction
 from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, record_amax
 
-__all__ = ["fused_cast", "Fp8FusedCastWarning"]
-
-
-class Fp8FusedCastWarning(UserWarning):
-    """torch.compile could not build mixprec's fused fp8 cast here; the eager casts run instead."""
+__all__ = ["fused_cast"]
 
 
 def _cast_role(x: torch.Tensor, scale_buf: torch.Tensor, amax_buf: torch.Tensor,
@@ -57,26 +50,11 @@ def _cast_role(x: torch.Tensor, scale_buf: torch.Tensor, amax_buf: torch.Tensor,
     return q, q_t, scale
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled() -> Any:
-    return torch.compile(_cast_role, dynamic=True)
-
-
-_broken: list[str] = []     # the reason the compiled cast is unavailable, once known (process-wide)
+_fused_cast_role = FusedFunction(_cast_role, "fp8 cast")
 
 
 def fused_cast(x: torch.Tensor, scale_buf: torch.Tensor, amax_buf: torch.Tensor,
                history: torch.Tensor | None, fmt: Format, *, algo: str, margin: int, pow2: bool,
-               record: bool, want_t: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-    """The compiled ``_cast_role``, or None where it cannot be built (after a one-time warning)."""
-    if _broken:
-        return None
-    try:
-        return _compiled()(x, scale_buf, amax_buf, history, fmt, algo, margin, pow2, record, want_t)
-    except Exception as exc:    # any failure of the compiler stack: fall back for good, say so once
-        _broken.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc)
-                       else type(exc).__name__)
-        warnings.warn(f"mixprec's fused fp8 casts could not be compiled here ({_broken[0]}); the eager "
-                      "casts run instead (correct, slower: about six passes per cast)",
-                      Fp8FusedCastWarning, stacklevel=3)
-        return None
+               record: bool, want_t: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``_cast_role`` compiled (``fusion.FusedFunction``), or run eagerly where that cannot be built."""
+    return _fused_cast_role(x, scale_buf, amax_buf, history, fmt, algo, margin, pow2, record, want_t)

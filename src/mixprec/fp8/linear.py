@@ -166,12 +166,10 @@ class Fp8Linear(nn.Linear):
         if self.fused_casts and not self.count_ranges and not torch.compiler.is_compiling():
             cfg = self.fp8_config
             history = getattr(self, f"{role}_history") if cfg.delayed else None
-            fused = fused_cast(x, getattr(self, f"{role}_scale"), getattr(self, f"{role}_amax"), history,
-                               ROLES[role], algo=cfg.amax, margin=cfg.margin, pow2=cfg.pow2,
-                               record=record, want_t=want_t)
-            if fused is not None:
-                q, q_t, scale = fused
-                return q, (q_t if q_t is not None else q.t()), scale
+            q, q_t, scale = fused_cast(x, getattr(self, f"{role}_scale"), getattr(self, f"{role}_amax"),
+                                       history, ROLES[role], algo=cfg.amax, margin=cfg.margin, pow2=cfg.pow2,
+                                       record=record, want_t=want_t)
+            return q, (q_t if q_t is not None else q.t()), scale
         q, scale = self._cast(role, x, record)
         return q, q.t(), scale
 
