@@ -87,3 +87,32 @@ def test_cast_floating_walks_nests_and_leaves_integers():
     cast = cast_floating(value, torch.float16)
     assert cast["a"][0].dtype == torch.float16 and cast["a"][1].dtype == torch.int64
     assert cast["b"][0].dtype == torch.float16 and cast["b"][1] == "text" and isinstance(cast["b"], tuple)
+
+
+class LossInside(nn.Module):
+    """A Hugging Face-style model: computes its own loss and returns it with the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 6)
+
+    def forward(self, x, labels=None):
+        logits = self.head(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": F.cross_entropy(logits.float(), labels), "logits": logits}
+
+
+def test_outputs_are_cast_where_the_loss_needs_it_not_copied_wholesale():
+    from mixprec.casting import autocast_softmax_is_fp32
+    assert not autocast_softmax_is_fp32("cpu", torch.bfloat16)   # CPU autocast: log_softmax stays bf16
+    model = LossInside()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")
+    x, labels = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    with mp.autocast():
+        with_loss, bare = model(x, labels), model(x)
+    # The model computed its loss: the loss comes out fp32 and the logits are not copied to fp32.
+    assert with_loss["loss"].dtype == torch.float32 and with_loss["logits"].dtype == torch.bfloat16
+    # No loss inside: on CPU the caller's cross-entropy needs fp32 logits, so they are cast.
+    assert bare["logits"].dtype == torch.float32
+    assert torch.equal(bare["logits"], with_loss["logits"].float())
