@@ -15,9 +15,10 @@ optimizer for the call: CUDA graphs need inputs at fixed addresses, and torch.co
 setting and deleting attributes on the optimizer. For CUDA graphs keep the gradients at fixed
 addresses too: ``mp.zero_grad(set_to_none=False)``.
 
-    >>> model = nn.Linear(4, 2)
-    >>> mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), "bf16")
-    >>> mp.compile_step()              # doctest: +SKIP
+    >>> import mixprec
+    >>> model = torch.nn.Linear(4, 2)
+    >>> mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), "bf16")
+    >>> mp = mp.compile_step()         # compiles on the first step(); later steps replay the graph
 """
 
 from __future__ import annotations
