@@ -132,3 +132,21 @@ def test_compile_step_refuses_an_optimizer_that_cannot_skip_without_a_sync():
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")
     with pytest.raises(ValueError, match="fused=True"):
         mp.compile_step()
+
+
+def test_compiled_step_reports_the_overflow_under_the_scale_the_backward_ran_with():
+    # The compiled step updates the loss scale inside its graph; last_overflow must still quote the
+    # scale of the step that overflowed, not the updated one.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                        "params=fp32,compute=fp16,scale=dynamic(hysteresis=1)", trace_nonfinite=True)
+    mp.compile_step()
+    before = mp.scale
+    with mp.autocast():
+        out = model(torch.full((2, 4), 3e4))
+    mp.backward(out.float().sum())     # x 65536 and 3e4-sized activations: fp16 gradients overflow
+    result = mp.step()
+    assert result.skipped and result.scale == before / 2       # backed off at once (hysteresis 1)
+    origin = mp.last_overflow
+    assert origin is not None and origin.direction == "backward" and origin.loss_scale == before

@@ -250,11 +250,13 @@ class MixedPrecision:
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
-        scale = self.loss_scale.value
+        # The scale this step's gradients carry (a copy: the compiled step updates it in place).
+        scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
         for observer in self._step_observers.values():
             observer.before_step(self)      # gradients as backward left them: still scaled by S
-        if self._compiled_step is not None and self._fused_step_ok():
-            found_inf, grad_norm = self._run_compiled_step(grads)
+        compiled = self._compiled_step is not None and self._fused_step_ok()
+        if compiled:
+            found_inf, grad_norm = self._compiled_step(grads)
             stepped = True
         elif self._fused_step_ok():
             found_inf, grad_norm, divisor = self._unscale_and_clip(grads)
@@ -269,9 +271,9 @@ class MixedPrecision:
             self.master.push_weights()
         if self._nonfinite is not None:
             # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
-            self._overflow_check = (found_inf, scale.detach().clone(), self._nonfinite.take())
+            self._overflow_check = (found_inf, scale, self._nonfinite.take())
             self._overflow = None
-        if self._compiled_step is None:     # the compiled step updates the scale inside its graph
+        if not compiled:     # the compiled step updates the scale inside its graph
             self.loss_scale.update(found_inf)
         if not stepped and isinstance(self.loss_scale, DynamicLossScale):
             self.loss_scale.warn_if_at_floor()
@@ -303,24 +305,13 @@ class MixedPrecision:
         """Run every later ``step()`` as one ``torch.compile`` graph; returns the engine.
 
         The norm, clip, overflow check, fused optimizer step and loss-scale update compile together
-        (``mixprec.step_compile``): no host sync, no graph break, and with ``mode="reduce-overhead"``
-        one CUDA-graph replay per step (then zero gradients with ``zero_grad(set_to_none=False)`` so
-        they keep their addresses). ``options`` go to ``torch.compile``. Losses, skips and the loss
-        scale are those of the eager step. Needs an optimizer built with ``fused=True`` (Adam, AdamW,
-        SGD): only it skips a step without asking the host.
+        (``mixprec.step_compile``): no host sync, and with ``mode="reduce-overhead"`` one CUDA-graph
+        replay per step (then zero gradients with ``zero_grad(set_to_none=False)``). ``options`` go to
+        ``torch.compile``. Needs an optimizer built with ``fused=True`` (Adam, AdamW, SGD).
         """
-        if not getattr(self.optimizer, "_step_supports_amp_scaling", False) or \
-                not all(g.get("fused") for g in self.optimizer.param_groups):
-            raise ValueError(f"compile_step() needs a fused optimizer, which unscales, clips and skips "
-                             f"inside its kernel without a host sync; {type(self.optimizer).__name__} "
-                             "is not one: build it with fused=True, e.g. torch.optim.AdamW(params, "
-                             "lr=..., fused=True) (Adam, AdamW and SGD have it)")
         from .step_compile import CompiledStep
         self._compiled_step = CompiledStep(self, options)
         return self
-
-    def _run_compiled_step(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._compiled_step(grads)
 
     def _fused_optimizer_step(self, divisor: torch.Tensor | None, found_inf_f32: torch.Tensor) -> None:
         """The optimizer divides by ``divisor`` and skips where ``found_inf_f32`` is 1, in its kernel."""

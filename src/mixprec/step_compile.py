@@ -38,6 +38,12 @@ class CompiledStep:
     (``torch.compile``'s keywords, e.g. ``mode="reduce-overhead"``)."""
 
     def __init__(self, engine: MixedPrecision, options: dict[str, Any]) -> None:
+        opt = engine.optimizer
+        if not getattr(opt, "_step_supports_amp_scaling", False) or not all(g.get("fused") for g in opt.param_groups):
+            raise ValueError(f"compile_step() needs a fused optimizer, which unscales, clips and skips "
+                             f"inside its kernel without a host sync; {type(opt).__name__} is not one: "
+                             "build it with fused=True, e.g. torch.optim.AdamW(params, lr=..., "
+                             "fused=True) (Adam, AdamW and SGD have it)")
         self.engine = engine
         device = engine.device
         # 1.0 and 0.0 until the first step writes them; fp32 as the fused kernels expect.
