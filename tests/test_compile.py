@@ -90,6 +90,7 @@ def test_every_recipe_traces_whole_and_trains_as_in_eager(recipe):
     assert compiled[-1] < compiled[0]                       # and it learns
 
 
+@pytest.mark.slow
 def test_inductor_builds_delayed_fp8_forward_and_backward():
     # _scaled_mm's operand layouts failed in Inductor's C++ lowering (fp8, in the backward); the
     # autocast-in-a-pre-hook failure of pure recipes was Dynamo's, covered above. ~1 min on 2 cores.
@@ -98,6 +99,7 @@ def test_inductor_builds_delayed_fp8_forward_and_backward():
     assert compiled == pytest.approx(eager, rel=2e-2)
 
 
+@pytest.mark.slow
 def test_compiled_model_and_step_match_eager_over_20_steps_with_planted_overflows():
     # fp16-pure: dynamic loss scale, master weights, region wrappers around the norms.
     steps, boom = 20, (3, 4, 11)

@@ -233,6 +233,8 @@ def _first_floating_dtype(value: Any) -> torch.dtype | None:
 
 def _cast_inputs_hook(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype):
     return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Region:
     """How a region's forward runs: its precision, autocast device, input cast and output rule."""

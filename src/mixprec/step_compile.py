@@ -39,7 +39,8 @@ class CompiledStep:
 
     def __init__(self, engine: MixedPrecision, options: dict[str, Any]) -> None:
         opt = engine.optimizer
-        if not getattr(opt, "_step_supports_amp_scaling", False) or not all(g.get("fused") for g in opt.param_groups):
+        fused = all(g.get("fused") for g in opt.param_groups)
+        if not (fused and getattr(opt, "_step_supports_amp_scaling", False)):
             raise ValueError(f"compile_step() needs a fused optimizer, which unscales, clips and skips "
                              f"inside its kernel without a host sync; {type(opt).__name__} is not one: "
                              "build it with fused=True, e.g. torch.optim.AdamW(params, lr=..., "
