@@ -9,6 +9,10 @@ medians are compared; ratios above 1 mean the fp8 layer is faster than bf16.
     python benchmarks/bench_fp8.py --compile              # each layer under torch.compile as well
     python benchmarks/bench_fp8.py --cpu-smoke            # CPU, S = 256: checks the script, not speed
 
+mixprec's layers run with fused eager casts (fp8/fused.py, the CUDA default); the ", eager casts"
+rows are the same layers with ``fused_casts = False``. The kernels column counts GPU kernels per
+forward + backward (goal: <= 24 for the fused eager layer; the unfused one had 88).
+
 fp8 speed needs fp8 tensor cores (compute capability 8.9+); on a CPU the script refuses unless
 ``--cpu-smoke`` asks for a small run that only shows it works.
 """
@@ -58,7 +62,13 @@ def _variants(size: int, device: torch.device, compile_: bool) -> dict[str, nn.M
     variants: dict[str, nn.Module] = {"bf16 nn.Linear": base}
     backend = "scaled_mm" if probe_scaled_mm(device).ok else "emulate"
     for name, cfg in (("mixprec fp8 current", Fp8Config()), ("mixprec fp8 delayed", Fp8Config.parse("delayed"))):
-        variants[name] = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
+        fused = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
+        fused.fused_casts = backend == "scaled_mm"       # the CUDA default; on the CPU smoke too
+        variants[name] = fused
+        if not compile_:                                  # the eager casts before fp8/fused.py
+            unfused = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
+            unfused.fused_casts = False
+            variants[f"{name}, eager casts"] = unfused
     try:
         from torchao.float8 import convert_to_float8_training   # optional: only where installed
         variants["torchao Float8Linear"] = convert_to_float8_training(nn.Sequential(copy.deepcopy(base)))
@@ -84,11 +94,25 @@ def bench(size: int, device: torch.device, reps: int, warmup: int, compile_: boo
     flops = 3 * 2 * size**3                     # forward, input gradient, weight gradient
     ref = statistics.median(times[next(iter(times))])
     print(f"M=K=N={size}: median of {reps} (forward + backward)")
-    print(f"  {'variant':<34}{'ms':>10}{'TFLOP/s':>10}{'speed-up vs bf16':>18}")
+    print(f"  {'variant':<40}{'ms':>10}{'TFLOP/s':>10}{'speed-up vs bf16':>18}{'kernels':>9}")
     for name, samples in times.items():
         ms = statistics.median(samples)
-        print(f"  {name:<34}{ms:>10.3f}{flops / ms / 1e9:>10.1f}{ref / ms:>17.2f}x")
+        kernels = _kernels_per_call(lambda: _fwd_bwd(variants[name], x, g), device)
+        print(f"  {name:<40}{ms:>10.3f}{flops / ms / 1e9:>10.1f}{ref / ms:>17.2f}x{kernels:>9}")
     print(flush=True)
+
+
+def _kernels_per_call(fn, device: torch.device, calls: int = 3) -> str:
+    """GPU kernels (and memsets/copies) per call from torch.profiler; '-' on a CPU (no kernels)."""
+    if device.type != "cuda":
+        return "-"
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return f"{n / calls:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ Two comparisons, each interleaved (A, B, A, B, ...) so drift in clock speed or l
    plus fused AdamW with grad_scale/found_inf, against torch's unscale_ -> clip_grad_norm_ -> fused
    AdamW (scaler.step/update).
 
-Prints medians and the ratio torch.amp / mixprec (> 1 means mixprec is faster).
+Prints medians and the ratio torch.amp / mixprec (> 1 means mixprec is faster). The ", compiled" rows
+time ``torch.compile(model)`` + ``mp.compile_step()`` (CUDA graphs on CUDA) in the same interleaving.
 Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--reps 30] [--recipes fp16,bf16]
 """
 
@@ -53,7 +54,7 @@ def interleave(fns: dict, reps: int, device) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def whole_step(recipe: str, device, width, depth, batch, reps):
+def whole_step(recipe: str, device, width, depth, batch, reps, compiled=False):
     x = torch.randn(batch, width, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     low = mixprec.get_recipe(recipe).compute.dtype
@@ -80,7 +81,26 @@ def whole_step(recipe: str, device, width, depth, batch, reps):
         scaler.update()
         opt2.zero_grad(set_to_none=True)
 
-    return interleave({"mixprec": ours, "torch.amp": theirs}, reps, device)
+    fns = {"mixprec": ours, "torch.amp": theirs}
+    if compiled:
+        # The compiled variant: torch.compile(model) and mp.compile_step(); on CUDA as CUDA graphs
+        # (gradients zeroed in place so they keep their addresses).
+        m3 = mlp(width, depth, device)
+        mp3 = mixprec.MixedPrecision(m3, torch.optim.AdamW(m3.parameters(), lr=1e-4, fused=True), recipe)
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        mp3.compile_step(mode=mode)
+        f3 = torch.compile(m3, mode=mode)
+
+        def ours_compiled():
+            with mp3.autocast():
+                loss = F.cross_entropy(f3(x), y)
+            mp3.backward(loss)
+            mp3.step()
+            mp3.zero_grad(set_to_none=False)
+        for _ in range(3):                   # compile outside the timed warm-up
+            ours_compiled()
+        fns["mixprec compiled"] = ours_compiled
+    return interleave(fns, reps, device)
 
 
 def optimizer_step(device, width, depth, reps, clip=1.0):
@@ -133,6 +153,7 @@ def main():
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-step rows")
     ap.add_argument("--opt-widths", default="512,2048",
                     help="MLP widths for the optimizer-step comparison (0.8M and 12.6M parameters)")
     args = ap.parse_args()
@@ -143,15 +164,21 @@ def main():
     print(f"MLP {args.depth}x{args.width}, batch {args.batch}, {args.reps} interleaved reps, medians\n")
     print(f"{'comparison':<34}{'mixprec ms':>12}{'torch.amp ms':>14}{'torch/mixprec':>15}")
     for recipe in args.recipes.split(","):
-        t = whole_step(recipe, device, args.width, args.depth, args.batch, args.reps)
+        t = whole_step(recipe, device, args.width, args.depth, args.batch, args.reps, not args.no_compile)
         print(f"{'whole step, ' + recipe:<34}{t['mixprec'] * 1e3:>12.3f}{t['torch.amp'] * 1e3:>14.3f}"
               f"{t['torch.amp'] / t['mixprec']:>14.3f}x")
+        if "mixprec compiled" in t:
+            c = t["mixprec compiled"]
+            print(f"{'whole step, ' + recipe + ', compiled':<34}{c * 1e3:>12.3f}{t['torch.amp'] * 1e3:>14.3f}"
+                  f"{t['torch.amp'] / c:>14.3f}x")
     for width in map(int, args.opt_widths.split(",")):
         t, n = optimizer_step(device, width, args.depth, args.reps)
         label = f"optimizer step, {n / 1e6:.1f}M params"
         print(f"{label:<34}{t['mixprec'] * 1e3:>12.3f}{t['torch.amp'] * 1e3:>14.3f}"
               f"{t['torch.amp'] / t['mixprec']:>14.3f}x")
     print("\noptimizer step = unscale + clip to norm 1 + fused AdamW on gradients scaled by 2**16")
+    print("compiled = torch.compile(model) + mp.compile_step() (CUDA: mode='reduce-overhead'), against the "
+          "torch.amp eager loop (goal >= 2x)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 #   benchmarks/gpu_session.sh tests   # every CUDA test (tests/gpu), nvidia-smi, versions
 #   benchmarks/gpu_session.sh kernels # step, fp8 linear, op lists, doctor and lockstep benchmarks
 #   benchmarks/gpu_session.sh lab     # compare and inspect on the GPU benchmarks (gpt2, resnet50)
+#   benchmarks/gpu_session.sh e2e     # issue 11: compile tests, bench_fp8 (fused casts, kernel counts),
+#                                     # bench_step (compiled step), bench_e2e bf16 eager/compiled
+#   benchmarks/gpu_session.sh e2e-fp8      # issue 11: bench_e2e fp8 vs torch.amp bf16 vs torchao
+#   benchmarks/gpu_session.sh e2e-recipes  # issue 11: bench_e2e for every other recipe
 # Output goes to $OUT (the device tool's folder) or ./gpu-out; paste it into benchmarks/RESULTS.md with
 # the device and the date. Runs from the source tree (PYTHONPATH=src) with the python that holds a CUDA
 # torch (default: python3, as on the lent GPU machines, which have torch, rich, matplotlib, scikit-learn,
@@ -36,6 +40,18 @@ case "${1:-}" in
     run compare-resnet50 $MIXPREC compare --benchmark resnet50 --device cuda --recipes fp32,tf32,fp16,bf16 \
         --steps 60 --json "$OUT/compare-resnet50.json"
     run inspect-gpt2 $MIXPREC inspect --benchmark gpt2 --device cuda --json "$OUT/inspect-gpt2.json" ;;
+  e2e)   # issue 11 (~10 min): each bench_e2e run holds its own baseline, so its ratios are side by side
+    run compile-tests "$PY" -m pytest -q -rs tests/gpu/test_compile_cuda.py
+    run bench-fp8-fused "$PY" benchmarks/bench_fp8.py --device cuda --sizes 4096,8192
+    run bench-fp8-fused-compile "$PY" benchmarks/bench_fp8.py --device cuda --sizes 8192 --compile
+    run bench-step-compiled "$PY" benchmarks/bench_step.py --device cuda
+    run e2e-bf16 "$PY" benchmarks/bench_e2e.py --device cuda --variants amp-bf16,bf16 --steps 20 ;;
+  e2e-fp8)   # issue 11 (~10 min): fp8 against torch.amp bf16 and torchao in the same run
+    run e2e-fp8 "$PY" benchmarks/bench_e2e.py --device cuda --variants amp-bf16,bf16,torchao-fp8,fp8,fp8-delayed \
+        --steps 20 ;;
+  e2e-recipes)
+    run e2e-recipes "$PY" benchmarks/bench_e2e.py --device cuda --modes eager,compiled --steps 10 \
+        --variants amp-bf16,fp16,fp16-pure,bf16-pure,bf16-sr,tf32 ;;
   *)
-    echo "usage: $0 tests|kernels|lab" >&2; exit 2 ;;
+    echo "usage: $0 tests|kernels|lab|e2e|e2e-fp8|e2e-recipes" >&2; exit 2 ;;
 esac

@@ -30,18 +30,24 @@ def test_pure_recipe_casts_weights_keeps_norms_fp32_and_routes_dtypes():
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16-pure")
     assert {model.conv.weight.dtype, model.fc.weight.dtype, model.head.bias.dtype} == {torch.float16}
     assert {model.bn.weight.dtype, model.bn.running_var.dtype, model.ln.weight.dtype} == {torch.float32}
-    seen = {}
+    seen, computed = {}, {}
 
     def record(module, args, out):
-        seen[module] = (args[0].dtype, out.dtype)     # returns None: observes, changes nothing
+        seen[module] = out.dtype     # returns None: observes, changes nothing
     for name in ("bn", "ln", "head"):
         getattr(model, name).register_forward_hook(record)
-    with mp.autocast():
+
+    class Spy(torch.overrides.TorchFunctionMode):   # the dtype each norm kernel is handed
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (F.batch_norm, F.layer_norm, F.linear):
+                computed.setdefault(func.__name__, []).append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+    with mp.autocast(), Spy():
         out = model(torch.randn(2, 1, 8, 8))                   # fp32 input from the data pipeline
-    # Norms receive fp32 inputs (their weights are fp32, so they compute in fp32) and hand fp16 on.
-    assert seen[model.bn] == (torch.float32, torch.float16)
-    assert seen[model.ln] == (torch.float32, torch.float16)
-    assert seen[model.head][0] == torch.float16
+    # Norms compute on fp32 inputs (their weights are fp32, so they compute in fp32) and hand fp16 on.
+    assert computed["batch_norm"] == computed["layer_norm"] == [torch.float32]
+    assert seen[model.bn] == seen[model.ln] == torch.float16
+    assert computed["linear"] == [torch.float16, torch.float16]  # fc and head get fp16 activations
     assert out.dtype == torch.float32                           # logits leave in fp32 for the loss
     # The master copy holds exactly the low-precision parameters, as fp32 clones of the initial values.
     assert len(mp.master.masters) == 6 and all(m.dtype == torch.float32 for m in mp.master.masters)
@@ -81,3 +87,32 @@ def test_cast_floating_walks_nests_and_leaves_integers():
     cast = cast_floating(value, torch.float16)
     assert cast["a"][0].dtype == torch.float16 and cast["a"][1].dtype == torch.int64
     assert cast["b"][0].dtype == torch.float16 and cast["b"][1] == "text" and isinstance(cast["b"], tuple)
+
+
+class LossInside(nn.Module):
+    """A Hugging Face-style model: computes its own loss and returns it with the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 6)
+
+    def forward(self, x, labels=None):
+        logits = self.head(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": F.cross_entropy(logits.float(), labels), "logits": logits}
+
+
+def test_outputs_are_cast_where_the_loss_needs_it_not_copied_wholesale():
+    from mixprec.casting import autocast_softmax_is_fp32
+    assert not autocast_softmax_is_fp32("cpu", torch.bfloat16)   # CPU autocast: log_softmax stays bf16
+    model = LossInside()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")
+    x, labels = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    with mp.autocast():
+        with_loss, bare = model(x, labels), model(x)
+    # The model computed its loss: the loss comes out fp32 and the logits are not copied to fp32.
+    assert with_loss["loss"].dtype == torch.float32 and with_loss["logits"].dtype == torch.bfloat16
+    # No loss inside: on CPU the caller's cross-entropy needs fp32 logits, so they are cast.
+    assert bare["logits"].dtype == torch.float32
+    assert torch.equal(bare["logits"], with_loss["logits"].float())

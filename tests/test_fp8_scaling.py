@@ -139,12 +139,14 @@ def test_scaled_mm_agrees_with_the_emulation(fmt_a, out_dtype):
 def test_cuda_operand_layout_and_padding_keep_the_product(k):
     # The CUDA path's operand preparation, checked on the CPU (it is device-agnostic): row-major a,
     # column-major b, K zero-padded to a multiple of 16, and the exact same product.
-    from mixprec.fp8.matmul import _cuda_operands
+    from mixprec.fp8.matmul import _operands
     g = torch.Generator().manual_seed(k)
     a = torch.randn(7, k, generator=g).to(torch.float8_e5m2)
     b = torch.randn(32, k, generator=g).to(torch.float8_e4m3fn).t()          # (K, N), a transposed view
-    a_p, b_p = _cuda_operands(a, b)
+    a_p, b_p = _operands(a, b, pad=True)
     k_pad = -(-k // 16) * 16
+    a_l, b_l = _operands(a, b, pad=False)            # other devices: the layouts only, no padding
+    assert b_l.shape == (k, 32) and b_l.stride() == (1, k) and b_l.data_ptr() == b.data_ptr()
     assert a_p.shape == (7, k_pad) and a_p.stride() == (k_pad, 1)
     assert b_p.shape == (k_pad, 32) and b_p.stride() == (1, k_pad)
     assert torch.equal(a_p.float() @ b_p.float(), a.float() @ b.float())

@@ -2,9 +2,11 @@
 
 Pure recipes (fp16/bf16 weights) cast every parameter and floating buffer to the low dtype except in
 modules the recipe keeps fp32 (normalisations by default: their mean and variance reduce over many
-values). Every low-compute recipe casts the model's floating outputs to fp32, so softmax and the loss
-are computed in fp32 (a sum over many terms loses small ones in 16 bits) even where autocast's op lists leave them in 16 bits (CPU autocast
-keeps log_softmax in fp16).
+values). Softmax and the loss are computed in fp32 (a sum over many terms loses small ones in 16 bits) under every low-compute recipe: a loss
+the model returns (a floating 0-d output) is cast to fp32; logits are cast to fp32 only where
+autocast's op lists would leave the loss's log_softmax in 16 bits (CPU) and the model did not compute
+its loss itself. On CUDA autocast runs log_softmax in fp32 straight from 16-bit logits, so the logits
+stay 16-bit and no fp32 copy of them is kept (compute the loss inside ``mp.autocast()``).
 
 Per-module precision (``Recipe.modules``, and ``fp32_modules`` in pure recipes) makes *regions*: a
 module whose precision differs from its parent's, together with its children. Its forward runs
@@ -16,15 +18,18 @@ them as each op needs). So ``lm_head:fp32`` in a bf16 recipe, pure or not, yield
 ``blocks.*.attn:bf16`` in an fp32 recipe hands fp32 back to the fp32 residual stream. The
 ``fp32_modules`` norms of pure recipes always hand the low dtype back, so activations stay 16-bit.
 
-Hooks are module-level callables held by ``functools.partial``, so a prepared model still pickles.
+Regions wrap the module's ``forward`` so that ``torch.autocast`` is entered and exited inside one call
+(torch.compile traces that; it cannot trace a context entered in a pre-hook and left in a post-hook).
+Hooks and wrappers are module-level functions held by ``functools.partial``, so a prepared model
+still pickles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,8 +123,9 @@ def low_precision_params(model: nn.Module, recipe: Recipe) -> list[nn.Parameter]
 
 
 def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None, *,
-               cast_params: bool = True) -> list[torch.utils.hooks.RemovableHandle]:
-    """Cast the model in place for ``recipe`` and install its casting hooks; returns the hook handles.
+               cast_params: bool = True) -> list[Any]:
+    """Cast the model in place for ``recipe`` and install its casting hooks; returns handles whose
+    ``remove()`` undoes the hooks and forward wrappers.
 
     Parameters keep their identity (``p.data`` is replaced), so references held elsewhere stay valid.
     ``device_type`` is the autocast device of the regions (default: that of the first parameter).
@@ -161,78 +167,149 @@ def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None,
             functools.partial(_cast_inputs_hook, dtype=dtype), with_kwargs=True))
     if recipe.compute.is_low:
         handles.append(model.register_forward_hook(
-            functools.partial(_cast_output_hook, dtype=torch.float32)))
+            functools.partial(_cast_output_hook, dtype=torch.float32,
+                              cast_tensors=not autocast_softmax_is_fp32(device_type, recipe.compute.dtype))))
     return handles
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor in a nest of tuples, lists and dicts; leave integer tensors alone."""
+    """Cast every floating tensor in a nest of tuples, lists and dicts; leave integer tensors alone.
+
+    Written with plain loops and comprehensions (no generator handed to a constructor) so that
+    torch.compile traces it without a graph break, dict subclasses (Hugging Face's ``ModelOutput``)
+    included.
+    """
+    return _cast_nest(value, dtype, scalars_only=False)
+
+
+def _cast_nest(value: Any, dtype: torch.dtype, scalars_only: bool) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        wanted = value.is_floating_point() and value.dtype != dtype and (value.dim() == 0 or not scalars_only)
+        return value.to(dtype) if wanted else value
     if isinstance(value, (list, tuple)):
-        cast = [cast_floating(v, dtype) for v in value]
+        cast = [_cast_nest(v, dtype, scalars_only) for v in value]
         return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
     if isinstance(value, dict):
-        return type(value)((k, cast_floating(v, dtype)) for k, v in value.items())
+        return _rebuild_dict(value, {k: _cast_nest(v, dtype, scalars_only) for k, v in value.items()})
     return value
 
 
-def _first_floating_dtype(values: Any) -> torch.dtype | None:
-    return next((t.dtype for t in _tensors(values) if t.is_floating_point()), None)
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def _holds_scalar(value: Any) -> bool:
+    """True if a floating 0-d tensor (a loss the model computed itself) is in the nest."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
+        return value.is_floating_point() and value.dim() == 0
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+            if _holds_scalar(v):
+                return True
+    return False
+
+
+def _rebuild_dict(like: dict, items: dict) -> dict:
+    """A dict of ``like``'s type holding ``items``: plain dicts as is, subclasses from keywords where the
+    keys are names (dataclass-like outputs such as ``ModelOutput`` take fields as keywords)."""
+    if type(like) is dict:
+        return items
+    if all(isinstance(k, str) for k in items):
+        return type(like)(**items)
+    return type(like)(list(items.items()))
+
+
+def _first_floating_dtype(value: Any) -> torch.dtype | None:
+    """The dtype of the first floating tensor in a nest of tuples, lists and dicts, or None."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.is_floating_point() else None
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            found = _first_floating_dtype(v)
+            if found is not None:
+                return found
+    return None
 
 
 def _cast_inputs_hook(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype):
     return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    """How a region's forward runs: its precision, autocast device, input cast and output rule."""
+
+    precision: Precision
+    device_type: str
+    cast_to: torch.dtype | None     # cast floating inputs to this dtype first (None: leave them)
+    always_restore: bool            # hand the output back in the incoming dtype even under autocast
+
+
+class _RegionHandle:
+    """``remove()`` puts the module's own forward back (the role a hook's RemovableHandle plays)."""
+
+    def __init__(self, module: nn.Module, inner: Any) -> None:
+        self.module, self.inner = module, inner
+
+    def remove(self) -> None:
+        if self.inner is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.inner
+
+
 def _install_region(module: nn.Module, precision: Precision, recipe: Recipe, device_type: str,
-                    always_restore: bool) -> list[torch.utils.hooks.RemovableHandle]:
-    """Hooks that run ``module`` (and its children) in ``precision``; see the module docstring."""
+                    always_restore: bool) -> list[_RegionHandle]:
+    """Run ``module`` (and its children) in ``precision``; see the module docstring.
+
+    The module's ``forward`` is wrapped (an instance attribute, a ``functools.partial`` of a
+    module-level function: it pickles) so that ``torch.autocast`` is entered and exited inside one
+    call. A pre-hook that enters it and a post-hook that exits it is what torch.compile cannot trace.
+    """
     cast_to = precision.dtype if recipe.param.is_low or precision is Precision.FP32 else None
-    enter = functools.partial(_enter_region_hook, precision=precision, device_type=device_type,
-                              cast_to=cast_to)
-    leave = functools.partial(_leave_region_hook, always_restore=always_restore)
-    # always_call: the autocast state is restored even when the forward raises.
-    return [module.register_forward_pre_hook(enter, with_kwargs=True),
-            module.register_forward_hook(leave, with_kwargs=True, always_call=True)]
+    region = _Region(precision, device_type, cast_to, always_restore)
+    inner = module.__dict__.get("forward")      # a forward the user (or a library) set already
+    module.forward = functools.partial(_region_forward, module, inner, region)
+    return [_RegionHandle(module, inner)]
 
 
-def _enter_region_hook(module: nn.Module, args: tuple, kwargs: dict, *, precision: Precision,
-                       device_type: str, cast_to: torch.dtype | None):
-    # A stack on the module, so a module that calls itself (or is shared) nests correctly. Kept in
-    # __dict__ directly: nn.Module.__setattr__ is slow, and an empty list pickles.
-    stack = module.__dict__.setdefault("_mixprec_regions", [])
-    incoming = _first_floating_dtype((args, kwargs))
-    outer_autocast = torch.is_autocast_enabled(device_type)
-    region = torch.autocast(device_type, dtype=precision.dtype if precision.is_low else None,
-                            enabled=precision.is_low)
-    region.__enter__()
-    stack.append((region, incoming, outer_autocast))
-    if cast_to is None:
-        return None
-    return cast_floating(args, cast_to), cast_floating(kwargs, cast_to)
-
-
-def _leave_region_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any, *, always_restore: bool):
-    region, incoming, outer_autocast = module.__dict__["_mixprec_regions"].pop()
-    region.__exit__(None, None, None)
+def _region_forward(module: nn.Module, inner: Any, region: _Region, *args: Any, **kwargs: Any) -> Any:
+    incoming = _first_floating_dtype([args, kwargs])
+    outer_autocast = torch.is_autocast_enabled(region.device_type)
+    if region.cast_to is not None:
+        args, kwargs = cast_floating(args, region.cast_to), cast_floating(kwargs, region.cast_to)
+    low = region.precision.is_low
+    # The with-block restores autocast's state even when the forward raises.
+    with torch.autocast(region.device_type, dtype=region.precision.dtype if low else None, enabled=low):
+        out = inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
     # Hand the output back in the incoming dtype where the surroundings need it: outside autocast
     # nothing else would cast it for the next layer's weights. Under autocast leave it be.
-    if incoming is not None and (always_restore or not outer_autocast):
-        return cast_floating(output, incoming)
-    return None
+    if incoming is not None and (region.always_restore or not outer_autocast):
+        return cast_floating(out, incoming)
+    return out
 
 
-def _cast_output_hook(module: nn.Module, args: tuple, output: Any, *, dtype: torch.dtype):
-    return cast_floating(output, dtype)
+@functools.lru_cache(maxsize=None)
+def autocast_softmax_is_fp32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype)`` runs ``log_softmax`` (cross-entropy's first op)
+    in fp32 on its own: CUDA's op lists do (reading 16 bits, writing fp32, no fp32 copy of the input);
+    CPU's leave it in 16 bits. Asked once per device and dtype with a 2-element tensor (no host sync)."""
+    try:
+        with torch.autocast(device_type, dtype=dtype):
+            return torch.log_softmax(torch.zeros(2, dtype=dtype, device=device_type), 0).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _cast_output_hook(module: nn.Module, args: tuple, output: Any, *, dtype: torch.dtype,
+                      cast_tensors: bool) -> Any:
+    """The model's floating outputs for the loss: scalars (a loss the model computed) always in fp32;
+    other tensors (logits) in fp32 only where ``cast_tensors`` (autocast would run the loss's softmax
+    in 16 bits) and the model did not compute its loss itself.
+
+    Copying the logits to fp32 when the loss does not need it doubles them (4 bytes per value instead
+    of 2), and a caller that keeps the output alive through backward (Hugging Face models do) keeps
+    the copy: with a 128k vocabulary that is gigabytes.
+    """
+    scalars_only = not cast_tensors or _holds_scalar(output)
+    return _cast_nest(output, dtype, scalars_only)

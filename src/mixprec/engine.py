@@ -204,6 +204,7 @@ class MixedPrecision:
             self._nonfinite = NonfiniteTracer(model)
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
         self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
+        self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep
 
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
@@ -256,51 +257,91 @@ class MixedPrecision:
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
-        scale = self.loss_scale.value
+        # The scale this step's gradients carry (a copy: the compiled step updates it in place).
+        scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
         for observer in self._step_observers.values():
             observer.before_step(self)      # gradients as backward left them: still scaled by S
-        scaled_norm = _global_norm_f32(grads, self.grad_sync)   # the same on every rank
-        found_inf = ~torch.isfinite(scaled_norm)
-        # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
-        grad_norm = scaled_norm / scale
-        # The optimizer must see grad / divisor. Without a loss scale or clipping that is grad itself:
-        # no division at all (S = 1 exactly, a Python-level fact of NoLossScale).
-        divisor = None if isinstance(self.loss_scale, NoLossScale) else scale
-        if self.clip_grad_norm is not None:
-            clip = (self.clip_grad_norm / (grad_norm + _CLIP_EPS)).clamp(max=1.0)
-            divisor = scale / clip
-
-        if self._fused_step_ok():
-            self.optimizer.grad_scale = divisor                       # type: ignore[attr-defined]
-            self.optimizer.found_inf = found_inf.to(torch.float32)    # type: ignore[attr-defined]
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.grad_scale, self.optimizer.found_inf  # type: ignore[attr-defined]
+        compiled = self._compiled_step is not None and self._fused_step_ok()
+        if compiled:
+            found_inf, grad_norm = self._compiled_step(grads)
+            stepped = True
+        elif self._fused_step_ok():
+            found_inf, grad_norm, divisor = self._unscale_and_clip(grads)
+            self._fused_optimizer_step(divisor, found_inf.to(torch.float32))
             stepped = True
         else:
-            stepped = not bool(found_inf)   # the one host sync of the generic path
-            if stepped:
-                if divisor is not None:
-                    # Every gradient the optimizer holds is fp32 here: pure recipes step on fp32 copies.
-                    torch._foreach_mul_(grads, 1.0 / divisor)
-                self.optimizer.step()
-            else:
-                # An LR scheduler stepping next to us would warn that optimizer.step() was never
-                # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
-                self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            found_inf, grad_norm, divisor = self._unscale_and_clip(grads)
+            stepped = self._generic_optimizer_step(grads, divisor, found_inf)
         for observer in self._step_observers.values():
             observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
         if self.master is not None and (stepped or not self.master.keep):
             self.master.push_weights()
         if self._nonfinite is not None:
             # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
-            self._overflow_check = (found_inf, scale.detach().clone(), self._nonfinite.take())
+            self._overflow_check = (found_inf, scale, self._nonfinite.take())
             self._overflow = None
-        self.loss_scale.update(found_inf)
+        if not compiled:     # the compiled step updates the scale inside its graph
+            self.loss_scale.update(found_inf)
         if not stepped and isinstance(self.loss_scale, DynamicLossScale):
             self.loss_scale.warn_if_at_floor()
         return StepResult(found_inf, self.loss_scale.value.clone(), grad_norm)
+
+    def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``(found_inf, grad_norm, divisor)`` from one read of the gradients; no host sync.
+
+        The optimizer must see ``grad / divisor``; ``divisor`` is None where that is grad itself.
+        """
+        scale = self.loss_scale.value
+        scaled_norm = _global_norm_f32(grads, self.grad_sync)   # the same on every rank
+        found_inf = ~torch.isfinite(scaled_norm)
+        # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
+        grad_norm = scaled_norm / scale
+        # Without a loss scale or clipping there is no division at all (S = 1 exactly, a Python-level
+        # fact of NoLossScale).
+        divisor = scale if self._unscale_and_clip_divides() else None
+        if self.clip_grad_norm is not None:
+            clip = (self.clip_grad_norm / (grad_norm + _CLIP_EPS)).clamp(max=1.0)
+            divisor = scale / clip
+        return found_inf, grad_norm, divisor
+
+    def _unscale_and_clip_divides(self) -> bool:
+        """Whether the optimizer must divide the gradients (a loss scale or clipping): a Python fact."""
+        return not isinstance(self.loss_scale, NoLossScale) or self.clip_grad_norm is not None
+
+    def compile_step(self, **options: Any) -> MixedPrecision:
+        """Run every later ``step()`` as one ``torch.compile`` graph; returns the engine.
+
+        The norm, clip, overflow check, fused optimizer step and loss-scale update compile together
+        (``mixprec.step_compile``): no host sync, and with ``mode="reduce-overhead"`` one CUDA-graph
+        replay per step (then zero gradients with ``zero_grad(set_to_none=False)``). ``options`` go to
+        ``torch.compile``. Needs an optimizer built with ``fused=True`` (Adam, AdamW, SGD).
+        """
+        from .step_compile import CompiledStep
+        self._compiled_step = CompiledStep(self, options)
+        return self
+
+    def _fused_optimizer_step(self, divisor: torch.Tensor | None, found_inf_f32: torch.Tensor) -> None:
+        """The optimizer divides by ``divisor`` and skips where ``found_inf_f32`` is 1, in its kernel."""
+        self.optimizer.grad_scale = divisor                       # type: ignore[attr-defined]
+        self.optimizer.found_inf = found_inf_f32                  # type: ignore[attr-defined]
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale, self.optimizer.found_inf  # type: ignore[attr-defined]
+
+    def _generic_optimizer_step(self, grads: list[torch.Tensor], divisor: torch.Tensor | None,
+                                found_inf: torch.Tensor) -> bool:
+        stepped = not bool(found_inf)   # the one host sync of the generic path
+        if stepped:
+            if divisor is not None:
+                # Every gradient the optimizer holds is fp32 here: pure recipes step on fp32 copies.
+                torch._foreach_mul_(grads, 1.0 / divisor)
+            self.optimizer.step()
+        else:
+            # An LR scheduler stepping next to us would warn that optimizer.step() was never
+            # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        return stepped
 
     def _fused_step_ok(self) -> bool:
         """True when the optimizer can divide, clip and skip inside its own fused kernel."""

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .fusion import FusedFunction
 from .recipe import LossScaleConfig
 
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale"]
@@ -104,23 +105,19 @@ class DynamicLossScale(_CountingScale):
         self.hysteresis_left = torch.full((), self.config.hysteresis, dtype=torch.int32, device=device)
         self.floor_skips = torch.zeros((), dtype=torch.int64, device=device)
         self._warned_floor = False
+        # Compile the update into one kernel where launches cost most (a GPU); eager elsewhere.
+        self.fused = torch.device(device).type == "cuda"
 
     def update(self, found_inf: torch.Tensor) -> None:
-        """Apply one step's outcome to S with a handful of tiny device ops. No host sync."""
+        """Apply one step's outcome to S with a handful of tiny device ops. No host sync.
+
+        On CUDA (``fused``) those ops run as one compiled kernel (``fusion.FusedFunction``) instead
+        of about 25 launches; the numbers are the same.
+        """
         c = self.config
-        super().update(found_inf)
-        clean = ~found_inf
-        self.floor_skips += (found_inf & (self.value <= c.floor)).to(torch.int64)
-        self.clean_steps.copy_(torch.where(clean, self.clean_steps + 1, 0))
-        grow = clean & (self.clean_steps >= c.growth_interval)
-        budget = torch.where(found_inf, (self.hysteresis_left - 1).clamp(min=0), self.hysteresis_left)
-        back_off = found_inf & (budget <= 0)
-        # Powers of two times powers of two stay exact in fp32; the clamps keep S in [floor, ceiling].
-        new_value = torch.where(grow, (self.value * c.growth).clamp(max=c.ceiling), self.value)
-        new_value = torch.where(back_off, (self.value * c.backoff).clamp(min=c.floor), new_value)
-        self.value.copy_(new_value)
-        self.clean_steps.copy_(torch.where(grow, 0, self.clean_steps))
-        self.hysteresis_left.copy_(torch.where(grow, c.hysteresis, budget))
+        _fused_dynamic_update(self.value, self.steps, self.skipped, self.clean_steps, self.hysteresis_left,
+                              self.floor_skips, found_inf, c.growth, c.backoff, c.growth_interval,
+                              c.hysteresis, c.floor, c.ceiling, fused=self.fused)
 
     def warn_if_at_floor(self) -> None:
         """Warn once if steps were skipped with S already at its floor. Syncs with the host."""
@@ -136,6 +133,30 @@ class DynamicLossScale(_CountingScale):
         return super()._tensors() | {"clean_steps": self.clean_steps,
                                      "hysteresis_left": self.hysteresis_left,
                                      "floor_skips": self.floor_skips}
+
+
+def _dynamic_update(value: torch.Tensor, steps: torch.Tensor, skipped: torch.Tensor, clean_steps: torch.Tensor,
+                    hysteresis_left: torch.Tensor, floor_skips: torch.Tensor, found_inf: torch.Tensor,
+                    growth: float, backoff: float, interval: int, hysteresis: int, floor: float,
+                    ceiling: float) -> None:
+    """DynamicLossScale's update on its state tensors, in place (see the class docstring)."""
+    steps += 1
+    skipped += found_inf.to(torch.int64)
+    clean = ~found_inf
+    floor_skips += (found_inf & (value <= floor)).to(torch.int64)
+    clean_steps.copy_(torch.where(clean, clean_steps + 1, 0))
+    grow = clean & (clean_steps >= interval)
+    budget = torch.where(found_inf, (hysteresis_left - 1).clamp(min=0), hysteresis_left)
+    back_off = found_inf & (budget <= 0)
+    # Powers of two times powers of two stay exact in fp32; the clamps keep S in [floor, ceiling].
+    new_value = torch.where(grow, (value * growth).clamp(max=ceiling), value)
+    new_value = torch.where(back_off, (value * backoff).clamp(min=floor), new_value)
+    value.copy_(new_value)
+    clean_steps.copy_(torch.where(grow, 0, clean_steps))
+    hysteresis_left.copy_(torch.where(grow, hysteresis, budget))
+
+
+_fused_dynamic_update = FusedFunction(_dynamic_update, "loss-scale update")
 
 
 def make_loss_scale(config: LossScaleConfig, device: torch.device | str) -> LossScale:

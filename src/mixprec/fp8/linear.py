@@ -29,6 +29,7 @@ from torch import nn
 
 from ..formats import FP8_E4M3, FP8_E5M2, Format, quantize
 from ..recipe.fp8 import Fp8Config
+from .fused import fused_cast
 from .matmul import emulated_mm, scaled_mm
 from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, quantize_fp8, record_amax
 
@@ -44,30 +45,32 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, layer: Fp8Linear,
                 out_dtype: torch.dtype, record: bool) -> torch.Tensor:
-        x_q, s_x = layer._cast("input", x2d, record)               # (M, K)
-        w_q, s_w = layer._cast("weight", weight, record)           # (N, K)
+        # x_t and w_t are what backward multiplies by, transposed: (K, M) and (K, N), row-major when
+        # the fused cast wrote them (views of x_q and w_q otherwise; scaled_mm copies them then).
+        x_q, x_t, s_x = layer._cast_pair("input", x2d, record, ctx.needs_input_grad[1])    # (M, K)
+        w_q, w_t, s_w = layer._cast_pair("weight", weight, record, ctx.needs_input_grad[0])  # (N, K)
         # Reciprocals undo the scales after the matmul; exact when the scales are powers of two.
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
         out = layer._mm(x_q, w_q.t(), inv_x, inv_w, out_dtype)     # (M, N)
         # Keep only what backward will use: the fp8 x for the weight gradient, the fp8 W for the input
         # gradient (a first layer fed with data needs no input gradient, so no copy of W is kept).
-        ctx.save_for_backward(x_q if ctx.needs_input_grad[1] else None,
-                              w_q if ctx.needs_input_grad[0] else None, inv_x, inv_w)
+        ctx.save_for_backward(x_t if ctx.needs_input_grad[1] else None,
+                              w_t if ctx.needs_input_grad[0] else None, inv_x, inv_w)
         ctx.layer, ctx.x_dtype, ctx.w_dtype = layer, x2d.dtype, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_q, w_q, inv_x, inv_w = ctx.saved_tensors
+        x_t, w_t, inv_x, inv_w = ctx.saved_tensors
         layer = ctx.layer
         with torch.autocast(grad_out.device.type, enabled=False):
-            g_q, s_g = layer._cast("grad_output", grad_out, True)   # (M, N) e5m2
-            inv_g = s_g.reciprocal()
+            g_q, g_t, s_g = layer._cast_pair("grad_output", grad_out, True, ctx.needs_input_grad[1])
+            inv_g = s_g.reciprocal()                                  # g_q (M, N) e5m2, g_t (N, M)
             grad_x = grad_w = None
             if ctx.needs_input_grad[0]:
-                grad_x = layer._mm(g_q, w_q, inv_g, inv_w, ctx.x_dtype)         # (M,N)@(N,K)
+                grad_x = layer._mm(g_q, w_t.t(), inv_g, inv_w, ctx.x_dtype)     # (M,N)@(N,K)
             if ctx.needs_input_grad[1]:
-                grad_w = layer._mm(g_q.t(), x_q, inv_g, inv_x, ctx.w_dtype)     # (N,M)@(M,K)
+                grad_w = layer._mm(g_t, x_t.t(), inv_g, inv_x, ctx.w_dtype)     # (N,M)@(M,K)
         return grad_x, grad_w, None, None, None
 
 
@@ -103,6 +106,9 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"Fp8Linear backend must be 'scaled_mm' or 'emulate', got {backend!r}")
         self.fp8_config, self.backend = config, backend
         self.count_ranges = False   # set by fp8.stats.count_fp8_ranges: exact per-cast counts
+        # Eager casts through fp8/fused.py's compiled kernel (one read, one write per role): on by
+        # default on CUDA with torch._scaled_mm; on CPU compiling costs more than it saves.
+        self.fused_casts = backend == "scaled_mm" and self.weight.device.type == "cuda"
         device = self.weight.device
         for role in ROLES:
             # Non-persistent: model.state_dict() stays nn.Linear's; the engine saves these itself.
@@ -148,6 +154,24 @@ class Fp8Linear(nn.Linear):
             counts += torch.stack([flushed, saturated, torch.tensor(y.numel(), device=y.device)])
         cast = cast_to_fp8 if self.backend == "scaled_mm" else quantize_fp8
         return cast(x, scale, fmt), scale
+
+    def _cast_pair(self, role: str, x: torch.Tensor, record: bool,
+                   want_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, q^T, scale)``: ``_cast`` plus the transpose backward multiplies by.
+
+        Fused (``fused_casts``, eager, no range counting): one compiled kernel writes ``q`` and a
+        contiguous ``q^T``. Otherwise ``q^T`` is a view and ``scaled_mm`` makes the layout it needs.
+        Inside a model the user compiles, the plain functions are traced and Inductor fuses them.
+        """
+        if self.fused_casts and not self.count_ranges and not torch.compiler.is_compiling():
+            cfg = self.fp8_config
+            history = getattr(self, f"{role}_history") if cfg.delayed else None
+            q, q_t, scale = fused_cast(x, getattr(self, f"{role}_scale"), getattr(self, f"{role}_amax"),
+                                       history, ROLES[role], algo=cfg.amax, margin=cfg.margin, pow2=cfg.pow2,
+                                       record=record, want_t=want_t)
+            return q, (q_t if q_t is not None else q.t()), scale
+        q, scale = self._cast(role, x, record)
+        return q, q.t(), scale
 
     def _mm(self, a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
             out_dtype: torch.dtype) -> torch.Tensor:

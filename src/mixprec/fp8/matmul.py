@@ -5,8 +5,9 @@ accumulation and rounds once to ``out_dtype``; ``a`` and ``b`` hold fp8 values (
 ``inv_*`` are the reciprocal scales that undo them. Two backends, one meaning:
 
 - ``scaled_mm``: torch's ``_scaled_mm`` on float8 tensors (CUDA compute capability 8.9+, and recent
-  CPU builds). On CUDA it wants ``a`` row-major, ``b`` column-major and the inner and output
-  dimensions multiples of 16; the inner dimension is zero-padded when it is not (zeros add nothing).
+  CPU builds). It wants ``a`` row-major and ``b`` column-major (Inductor too, on every device), and
+  on CUDA the inner and output dimensions multiples of 16; the inner dimension is zero-padded when it
+  is not (zeros add nothing).
 - ``emulate``: the operands as fp32 tensors holding fp8 values (``formats.quantize``), an fp32 matmul,
   the same two scale multiplies, one rounding to ``out_dtype``. Agrees with ``scaled_mm`` to within
   the output dtype's rounding (fp32 sums in another order can differ in the last bits).
@@ -25,14 +26,16 @@ __all__ = ["probe_scaled_mm", "scaled_mm", "emulated_mm"]
 _CUDA_ALIGN = 16                # cuBLASLt fp8 GEMMs need these dimensions in multiples of 16 elements
 
 
-def _cuda_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a`` row-major and ``b`` column-major, the inner dimension K zero-padded to a multiple of 16.
+def _operands(a: torch.Tensor, b: torch.Tensor, pad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` row-major and ``b`` column-major; with ``pad`` the inner dimension K zero-padded to a
+    multiple of 16 (cuBLASLt). Every device gets the layouts: Inductor's lowering of ``_scaled_mm``
+    demands them on CPU too, and an operand already in its layout is not copied.
 
     Zero columns of ``a`` and zero rows of ``b`` add nothing to the product. The padded copies are made
     with zeros + a slice copy (fill and copy run on every float8 dtype; a pad kernel may not).
     """
     (m, k), n = a.shape, b.shape[1]
-    k_pad = k + (-k % _CUDA_ALIGN)
+    k_pad = k + (-k % _CUDA_ALIGN) if pad else k
     if k_pad == k:
         return a.contiguous(), b.t().contiguous().t()
     a_p = a.new_zeros((m, k_pad))
@@ -45,8 +48,7 @@ def _cuda_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """``(a @ b) * inv_a * inv_b`` via ``torch._scaled_mm``: ``a`` (M, K) and ``b`` (K, N) float8."""
-    if a.device.type == "cuda":
-        a, b = _cuda_operands(a, b)   # cuBLASLt's fp8 GEMM: layouts and alignment it requires
+    a, b = _operands(a, b, pad=a.device.type == "cuda")   # the layouts (and on CUDA the alignment) required
     return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
 
 

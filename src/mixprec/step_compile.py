@@ -1,0 +1,74 @@
+"""A compiled ``MixedPrecision.step()``: the norm, clip, overflow check, fused optimizer step and loss-scale
+update as one ``torch.compile`` graph, with no host sync and no Python branching on device values.
+
+What the eager step runs as a few dozen small kernels (a norm per gradient, the clip coefficient, the
+divisor, the optimizer, a dozen tiny scale-update ops) Inductor fuses into a handful; under
+``mode="reduce-overhead"`` on CUDA the whole step is one CUDA-graph replay. The numbers are those of
+the eager fused path: the same norm, the same divisor ``S / clip``, the same skip.
+
+Only the fused path compiles (torch's ``fused=True`` Adam, AdamW or SGD): it divides, clips and skips
+inside its own kernel, reading ``grad_scale`` and ``found_inf`` tensors. The generic path must ask the
+host whether to call ``optimizer.step()`` at all, which a graph cannot do without a sync.
+
+Those two tensors are *static buffers* owned here, written inside the graph and handed to the
+optimizer for the call: CUDA graphs need inputs at fixed addresses, and torch.compile cannot trace
+setting and deleting attributes on the optimizer. For CUDA graphs keep the gradients at fixed
+addresses too: ``mp.zero_grad(set_to_none=False)``.
+
+    >>> import mixprec
+    >>> model = torch.nn.Linear(4, 2)
+    >>> mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), "bf16")
+    >>> mp = mp.compile_step()         # compiles on the first step(); later steps replay the graph
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import MixedPrecision
+
+__all__ = ["CompiledStep"]
+
+
+class CompiledStep:
+    """``engine``'s step from the gradients to the updated loss scale, compiled once with ``options``
+    (``torch.compile``'s keywords, e.g. ``mode="reduce-overhead"``)."""
+
+    def __init__(self, engine: MixedPrecision, options: dict[str, Any]) -> None:
+        opt = engine.optimizer
+        fused = all(g.get("fused") for g in opt.param_groups)
+        if not (fused and getattr(opt, "_step_supports_amp_scaling", False)):
+            raise ValueError(f"compile_step() needs a fused optimizer, which unscales, clips and skips "
+                             f"inside its kernel without a host sync; {type(opt).__name__} is not one: "
+                             "build it with fused=True, e.g. torch.optim.AdamW(params, lr=..., "
+                             "fused=True) (Adam, AdamW and SGD have it)")
+        self.engine = engine
+        device = engine.device
+        # 1.0 and 0.0 until the first step writes them; fp32 as the fused kernels expect.
+        self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self.compiled = torch.compile(self._body, **options)
+
+    def _body(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        engine = self.engine
+        found_inf, grad_norm, divisor = engine._unscale_and_clip(grads)
+        if divisor is not None:     # a Python-level fact of the recipe and clip setting: no branch on data
+            self.grad_scale.copy_(divisor)
+        self.found_inf.copy_(found_inf.to(torch.float32))
+        engine.optimizer.step()
+        engine.loss_scale.update(found_inf)
+        return found_inf, grad_norm
+
+    def __call__(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(found_inf, grad_norm)``, the optimizer stepped or skipped and the loss scale updated."""
+        opt = self.engine.optimizer
+        divides = self.engine._unscale_and_clip_divides()
+        opt.grad_scale = self.grad_scale if divides else None     # type: ignore[attr-defined]
+        opt.found_inf = self.found_inf                            # type: ignore[attr-defined]
+        try:
+            return self.compiled(grads)
+        finally:
+            del opt.grad_scale, opt.found_inf                     # type: ignore[attr-defined]

@@ -1,0 +1,85 @@
+"""The fused eager fp8 cast (fp8/fused.py) gives the eager casts' numbers bit for bit, in both layouts,
+and falls back to them, with one notice, where torch.compile cannot build it.
+
+On CPU Inductor emits C++ (slow to build: these tests compile the cast once per process, ~30 s).
+"""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.fp8 import Fp8Linear, probe_scaled_mm
+from mixprec.fp8 import fused as fused_mod
+from mixprec.fusion import FusedFunction, FusionWarning
+from mixprec.recipe import Fp8Config
+
+pytestmark = pytest.mark.skipif(not probe_scaled_mm("cpu").ok,
+                                reason="torch._scaled_mm does not run on this CPU build")
+
+
+def _twins(config):
+    torch.manual_seed(0)
+    base = nn.Linear(48, 32)
+    eager = Fp8Linear.from_linear(base, config, "scaled_mm")
+    twin = nn.Linear(48, 32)
+    twin.load_state_dict(base.state_dict())
+    fused = Fp8Linear.from_linear(twin, config, "scaled_mm")
+    assert not eager.fused_casts          # CPU default: eager casts
+    fused.fused_casts = True
+    return eager, fused
+
+
+@pytest.mark.parametrize("config", [Fp8Config(), dataclasses.replace(Fp8Config.parse("delayed"), history=4)],
+                         ids=["current", "delayed"])
+def test_fused_layer_equals_eager_layer_bit_for_bit_over_steps(config):
+    eager, fused = _twins(config)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        # Rows of different magnitude each step, and a different M: dynamic shapes, moving amaxes.
+        x = torch.randn(8 + 4 * step, 48, generator=g) * (10.0 ** step)
+        gy = torch.randn(8 + 4 * step, 32, generator=g)
+        outs = []
+        for layer in (eager, fused):
+            xi = x.clone().requires_grad_(True)
+            y = layer(xi)
+            y.backward(gy)
+            outs.append((y, xi.grad, layer.weight.grad.clone(), layer.fp8_state()))
+            layer.weight.grad = layer.bias.grad = None
+        (y_e, gx_e, gw_e, st_e), (y_f, gx_f, gw_f, st_f) = outs
+        assert torch.equal(y_e, y_f) and torch.equal(gx_e, gx_f) and torch.equal(gw_e, gw_f)
+        for name in st_e:
+            assert torch.equal(st_e[name], st_f[name]), (step, name)
+    if config.delayed:
+        assert float(fused.input_history[2]) > 0      # three amaxes recorded, newest first
+
+
+def test_fused_cast_writes_both_layouts_of_the_same_fp8_values():
+    scale, amax = torch.ones(()), torch.zeros(())
+    x = torch.randn(24, 40)
+    from mixprec.formats import FP8_E4M3
+    q, q_t, s = fused_mod.fused_cast(x, scale, amax, None, FP8_E4M3, algo="max", margin=0, pow2=False,
+                                     record=True, want_t=True)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (24, 40) and q.is_contiguous()
+    assert q_t.shape == (40, 24) and q_t.is_contiguous() and torch.equal(q_t.float(), q.float().t())
+    amax_x = x.abs().max()
+    assert float(amax) == float(amax_x) and torch.equal(s, 448.0 / amax_x)     # the fp32 quotient, recorded
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_casts_with_one_notice(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found")
+    fresh = FusedFunction(fused_mod._cast_role, "fp8 cast")
+    fresh._compiled = broken                  # as if torch.compile had failed to build it
+    monkeypatch.setattr(fused_mod, "_fused_cast_role", fresh)
+    eager, fused = _twins(Fp8Config())
+    x = torch.randn(8, 48)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y1, y2 = fused(x), fused(x)
+    notes = [w for w in caught if issubclass(w.category, FusionWarning)]
+    assert len(notes) == 1 and "no C++ compiler found" in str(notes[0].message)
+    assert "fp8 cast" in str(notes[0].message) and fresh.broken.startswith("RuntimeError")
+    assert torch.equal(y1, eager(x)) and torch.equal(y2, y1)
