@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .casting import cast_model, keeps_fp32, low_precision_params
+from .checkpoint_check import check_engine_state
 from .devices import supports
 from .distributed import GradSync, SyncKind, local_shard
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
@@ -375,9 +376,8 @@ class MixedPrecision:
                 "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("recipe") != str(self.recipe):
-            raise ValueError(f"state was saved under recipe {state.get('recipe')!r} but this engine runs "
-                             f"{str(self.recipe)!r}: build MixedPrecision with the saved recipe to resume")
+        """Restore ``state_dict()``'s output; a misfit is a ValueError and changes nothing."""
+        check_engine_state(self, state)     # recipe, loss scale, masters, fp8: all checked first
         self.loss_scale.load_state_dict(state["loss_scale"])
         if self.master is not None:
             self.master.load_state_dict(state["master"])
