@@ -42,6 +42,7 @@ from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scal
 from .master import MasterWeights
 from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
+from .usage_checks import UsageChecks
 
 if TYPE_CHECKING:   # for the annotation only: the tracer is imported when trace_nonfinite=True
     from .diagnostics.nonfinite import NonfiniteOrigin
@@ -196,6 +197,9 @@ class MixedPrecision:
             # Imported only when asked for: diagnostics.nonfinite depends on torch and formats only.
             from .diagnostics.nonfinite import NonfiniteTracer
             self._nonfinite = NonfiniteTracer(model)
+        # Misuse that would train on silently wrong (usage_checks): flags and counters, no host sync.
+        self._checks = UsageChecks(self.recipe, not isinstance(self.loss_scale, NoLossScale), self.device)
+        self._checks.traced = trace_nonfinite
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
         self._step_observers: collections.OrderedDict[int, Any] = collections.OrderedDict()
 
@@ -211,6 +215,7 @@ class MixedPrecision:
         tf32 = self.recipe.compute is Precision.TF32
         saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+        self._checks.entered_autocast = True
         try:
             with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
                                 enabled=self.recipe.autocast), \
@@ -235,6 +240,7 @@ class MixedPrecision:
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was it computed under torch.no_grad() or "
                              "from detached tensors?")
+        self._checks.on_backward()     # warns once if the forward ran outside mp.autocast()
         with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext():
             self.loss_scale.scale(loss).backward(**kwargs)
 
@@ -245,11 +251,13 @@ class MixedPrecision:
         Forces one host sync on the generic path (to decide whether to call ``optimizer.step()``),
         none on the fused path. The result's properties sync when read.
         """
+        model_grads = self._model_grads()
+        if not model_grads:
+            raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
+        self._checks.check_before_step(model_grads)   # stale or unscaled gradients: refused here
         if self.master is not None:
             self.master.pull_grads()
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
         scale = self.loss_scale.value
         for observer in self._step_observers.values():
             observer.before_step(self)      # gradients as backward left them: still scaled by S
@@ -271,7 +279,7 @@ class MixedPrecision:
                 self.optimizer.step()
             finally:
                 del self.optimizer.grad_scale, self.optimizer.found_inf  # type: ignore[attr-defined]
-            stepped = True
+            stepped = None      # decided on the device: no host sync
         else:
             stepped = not bool(found_inf)   # the one host sync of the generic path
             if stepped:
@@ -285,16 +293,21 @@ class MixedPrecision:
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
         for observer in self._step_observers.values():
             observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
-        if self.master is not None and (stepped or not self.master.keep):
+        if self.master is not None and (stepped is not False or not self.master.keep):
             self.master.push_weights()
         if self._nonfinite is not None:
             # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
             self._overflow_check = (found_inf, scale.detach().clone(), self._nonfinite.take())
             self._overflow = None
         self.loss_scale.update(found_inf)
-        if not stepped and isinstance(self.loss_scale, DynamicLossScale):
+        if stepped is False and isinstance(self.loss_scale, DynamicLossScale):
             self.loss_scale.warn_if_at_floor()
+        self._checks.after_step(model_grads, found_inf, stepped)   # warns after 10 skips in a row
         return StepResult(found_inf, self.loss_scale.value.clone(), grad_norm)
+
+    def _model_grads(self) -> list[torch.Tensor]:
+        """The gradients backward left on the model's own parameters (not the fp32 copies)."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def _fused_step_ok(self) -> bool:
         """True when the optimizer can divide, clip and skip inside its own fused kernel."""
