@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from .casting import cast_model, keeps_fp32, low_precision_params
 from .checkpoint_check import check_engine_state
 from .devices import supports
+from .export import fp32_state_dict
 from .distributed import GradSync, SyncKind, local_shard
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
@@ -387,6 +388,11 @@ class MixedPrecision:
         return {"recipe": str(self.recipe), "loss_scale": self.loss_scale.state_dict(),
                 "master": self.master.state_dict() if self.master is not None else None,
                 "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None}
+
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights for an fp32 model: master copies where the recipe keeps them, every
+        other float upcast (exact). Under pure recipes ``model.state_dict()`` is 16-bit. See ``export``."""
+        return fp32_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output; a misfit is a ValueError and changes nothing."""
