@@ -10,7 +10,7 @@ metrics compare across seeds and recipes. Three kinds, one lookup::
     ((1437, 64), (360, 64))
     >>> get_workload("resnet")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown workload 'resnet'; built-in: mlp, cnn, gpt, beam; benchmarks (...): resnet50, gpt2; ...
+    ValueError: unknown workload 'resnet' (did you mean 'resnet50'?); built-in: mlp, cnn, gpt, beam; benchmarks (...): resnet50, gpt2; ...
 
 - ``WORKLOADS``, real data that trains in seconds on a CPU: ``mlp`` (the seed's MLP on scikit-learn's
   8x8 digits), ``cnn`` (a small ResNet with BatchNorm on the same digits), ``gpt`` (a character-level
