@@ -282,3 +282,16 @@ def test_tiny_losses_keep_their_digits_in_the_table():
     assert _loss_text(1.019e-9) == "1.019e-09"
     assert _loss_text(0.0315) == "0.0315" and _loss_text(0.0) == "0.0000"
     assert _loss_text(float("nan")) == "nan"
+
+
+def test_tables_print_every_value_in_full_when_piped(tmp_path):
+    """Issue 15: in a pipe rich assumed 80 columns and printed 'spe...', '1.0...', '1.67772e+...'."""
+    long = "params=fp16,compute=fp16,master=fp32,scale=dynamic(hysteresis=2,growth_interval=1000)"
+    runs = [_run("fp32"), _run(long, recipe=long, final_scale=2.0**24, samples_per_s=123456.0)]
+    path = tmp_path / "wide.json"
+    path.write_text(_report(*runs).to_json())
+    proc = _cli("report", str(path), "--out", str(tmp_path / "wide.html"))
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout and "..." not in proc.stdout
+    assert "16777216" in proc.stdout and "speed" in proc.stdout and "123,456" in proc.stdout
+    assert f"custom-1: {long}" in proc.stdout

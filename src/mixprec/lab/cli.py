@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .. import __version__
 from ..recipe import get_recipe, split_top_level
+from .console import stdout_console
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 from .doctor_cli import add_doctor_parser, plan_from_args, run_and_print
 from .report import CompareReport, render_notes, render_table, short_names
@@ -222,7 +223,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _print_table(report: CompareReport) -> None:
-    out = Console(highlight=False)
+    out = stdout_console()
     out.print(render_table(report))
     for note in render_notes(report):
         out.print(note, soft_wrap=True)
@@ -314,7 +315,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(report.to_json() + "\n")
         print(f"report written to {args.json}", file=sys.stderr)
-    out = Console(highlight=False)
+    out = stdout_console()
     out.print(render_memory_table(report))
     out.print(render_matmul_table(report))
     for line in render_notes(report):

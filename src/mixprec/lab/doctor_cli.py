@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .cli_args import add_device_arg
+from .console import stdout_console
 from .doctor import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
 from .doctor_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .doctor_report import DoctorReport, render_doctor_table, render_findings
@@ -104,8 +105,7 @@ def run_and_print(args: argparse.Namespace, plan: DoctorPlan) -> int:
         print(f"report written to {path}", file=sys.stderr)
     if args.out is not None:
         _write_page(report, args.out / "doctor.html")
-    # Piped or redirected, rich would cut the table to 80 columns; long module names need more.
-    out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    out = stdout_console()      # full values in a pipe (lab/console.py)
     out.print(render_doctor_table(report))
     if report.fp8_swap is not None:       # fp8 recipes: the swap decisions, then each fp8 tensor
         for line in fp8_swap_lines(report.fp8_swap):

@@ -222,7 +222,7 @@ def _scale_text(r: RunResult) -> str:
     # A recipe without loss scaling has S = 1 throughout; "none" says why better than "1".
     if get_recipe(r.recipe).loss_scale.kind == "none":
         return "none"
-    return f"{r.final_scale:g}"
+    return f"{r.final_scale:.10g}"     # every digit of 2**24 = 16777216, not 1.67772e+07
 
 
 # ---------------------------------------------------------------------------------------- JSON

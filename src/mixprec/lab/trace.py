@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from ..casting import check_module_patterns
@@ -27,6 +26,7 @@ from ..oplists import op_list_mode
 from ..recipe import RECIPES, Recipe, get_recipe
 from .cli_args import add_device_arg, add_workload_args
 from .workloads import get_workload
+from .console import stdout_console
 
 __all__ = ["add_trace_parser", "plan_trace", "render_trace"]
 
@@ -83,7 +83,7 @@ def _trace_and_print(model, recipe: Recipe, loss_fn, x, y, json_path: Path | Non
     if json_path is not None:
         json_path.write_text(trace.to_json() + "\n")
         print(f"trace written to {json_path}", file=sys.stderr)
-    out = Console(highlight=False)
+    out = stdout_console()
     if not out.is_terminal:
         out.width = max(out.width, 112)   # piped: room for aten names such as native_layer_norm_backward
     out.print(render_trace(trace, recipe))
