@@ -295,3 +295,36 @@ def test_tables_print_every_value_in_full_when_piped(tmp_path):
     assert "…" not in proc.stdout and "..." not in proc.stdout
     assert "16777216" in proc.stdout and "speed" in proc.stdout and "123,456" in proc.stdout
     assert f"custom-1: {long}" in proc.stdout
+
+
+BUGGY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from mixprec.lab.workloads import Split
+
+
+def shapes():
+    x, y = torch.randn(200, 16), torch.randint(0, 3, (200,))
+    return {"model": nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(8, 3)),   # 32 != 8
+            "data": Split(x[:160], y[:160], x[160:], y[160:]), "loss": F.cross_entropy,
+            "optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}
+'''
+
+
+@pytest.mark.parametrize("command", ["compare", "doctor"])
+def test_a_bug_in_the_users_model_is_one_line_with_traceback_on_request(tmp_path, command):
+    (tmp_path / "buggy_workload.py").write_text(BUGGY)
+    import os
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    args = [sys.executable, "-m", "mixprec.lab.cli", command, "--workload", "buggy_workload:shapes",
+            "--steps", "2", "--device", "cpu"] + (["--recipes", "fp32"] if command == "compare" else [])
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("mixprec: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = errors[0]
+    assert "buggy_workload:shapes: RuntimeError" in line and "module Linear" in line, line
+    assert "F.linear" in line and "--traceback" in line, line
+    full = subprocess.run(args + ["--traceback"], capture_output=True, text=True, timeout=120, env=env)
+    assert full.returncode != 0 and "Traceback (most recent call last)" in full.stderr

@@ -10,7 +10,8 @@
 Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
 HTML page beside it), and the paths written to stderr. A user mistake prints one line,
 ``mixprec: error: <what and how to fix it>``, and exits with status 2; everything is checked before any
-training starts.
+training starts. A failure while training (a bug in the user's model) is one line too, naming the
+workload, module and op; ``--traceback`` (anywhere on the line) or ``MIXPREC_TRACEBACK=1`` shows it all.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .. import __version__
 from ..recipe import get_recipe, split_top_level
 from .console import stdout_console
+from .failure import describe_failure, wants_traceback
 from .compare import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 from .doctor_cli import add_doctor_parser, plan_from_args, run_and_print
 from .report import CompareReport, render_notes, render_table, short_names
@@ -48,20 +50,29 @@ class _UsageError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mixprec`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    full_traceback, argv = wants_traceback(list(sys.argv[1:] if argv is None else argv))
+    args = None
     try:
         args = _parser().parse_args(argv)
         return args.handler(args)
     except SystemExit as e:            # --help and --version exit through argparse
         return e.code if isinstance(e.code, int) else 0
     except (_UsageError, OSError) as e:
-        # User mistakes (bad words, unwritable paths) arrive here with the fix in the message. Errors
-        # raised while training are not caught: they are bugs and keep their traceback.
+        # User mistakes (bad words, unwritable paths) arrive here with the fix in the message.
         message = " ".join(str(e).split())
         print(f"mixprec: error: {message}", file=sys.stderr)
         return _USAGE_ERROR
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
         return _INTERRUPTED
+    except Exception as e:
+        # A failure while training (most often in the user's own model): one line naming the
+        # workload, module and op (lab/failure.py); --traceback or MIXPREC_TRACEBACK=1 for all of it.
+        if full_traceback:
+            raise
+        workload = getattr(args, "benchmark", None) or getattr(args, "workload", None)
+        print(f"mixprec: error: {describe_failure(e, workload)}", file=sys.stderr)
+        return _USAGE_ERROR
 
 
 # ---------------------------------------------------------------------------------------- parsing
