@@ -328,3 +328,18 @@ def test_a_bug_in_the_users_model_is_one_line_with_traceback_on_request(tmp_path
     assert "F.linear" in line and "--traceback" in line, line
     full = subprocess.run(args + ["--traceback"], capture_output=True, text=True, timeout=120, env=env)
     assert full.returncode != 0 and "Traceback (most recent call last)" in full.stderr
+
+
+@pytest.mark.parametrize("command, option, target, words", [
+    ("compare", "--json", "afile/x.json", ["afile is a file, not a directory"]),
+    ("compare", "--out", "afile/run", ["afile is a file, not a directory"]),
+    ("doctor", "--json", "afile/sub/x.json", ["afile is a file, not a directory"]),
+    ("doctor", "--out", "afile", ["doctor.json and doctor.html"]),
+])
+def test_path_errors_name_the_real_problem(tmp_path, command, option, target, words):
+    (tmp_path / "afile").write_text("keep\n")
+    proc = _cli(command, "--steps", "1", "--device", "cpu", option, str(tmp_path / target))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert all(w in lines[0] for w in words) and "mkdir -p" not in lines[0], lines[0]
+    assert (tmp_path / "afile").read_text() == "keep\n"

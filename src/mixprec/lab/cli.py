@@ -334,11 +334,12 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_out_dir(path: Path) -> None:
+def _make_out_dir(path: Path, files: tuple[str, str] = ("report.json", "report.html")) -> None:
     """Create ``--out``'s directory (and its parents) now, so a bad path fails before training."""
     if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {path} is a file; give a directory for report.json and report.html, "
+        raise ValueError(f"--out {path} is a file; give a directory for {files[0]} and {files[1]}, "
                          f"e.g. --out {path.with_suffix('')}-report")
+    _check_no_file_on_the_way(path, "--out")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -355,6 +356,7 @@ def _check_writable(path: Path, option: str, fix: str | None = None) -> None:
         fix = fix or f"give a file path, e.g. {option} {path / 'compare.json'}"
         raise ValueError(f"{option} {path} is a directory; {fix}")
     parent = path.parent
+    _check_no_file_on_the_way(parent, option, path)
     if not parent.is_dir():
         raise ValueError(f"{option} {path}: directory {parent} does not exist; create it "
                          f"(mkdir -p {parent}) or choose another path")
@@ -368,6 +370,16 @@ def _check_writable(path: Path, option: str, fix: str | None = None) -> None:
                          "directory") from None
     if not existed:
         os.unlink(path)
+
+
+def _check_no_file_on_the_way(directory: Path, option: str, path: Path | None = None) -> None:
+    """A file where the path needs a directory (``afile`` in ``afile/x.json``): mkdir -p cannot help."""
+    for ancestor in (directory, *directory.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise ValueError(f"{option} {path or directory}: {ancestor} is a file, not a directory; "
+                                 "choose a path whose folders are folders")
+            return
 
 
 if __name__ == "__main__":

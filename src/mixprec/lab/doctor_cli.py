@@ -72,7 +72,7 @@ def plan_from_args(args: argparse.Namespace, check_writable, make_out_dir) -> Do
     if args.json is not None:
         check_writable(args.json, "--json")
     if args.out is not None:
-        make_out_dir(args.out)
+        make_out_dir(args.out, ("doctor.json", "doctor.html"))
         for name in ("doctor.json", "doctor.html"):
             check_writable(args.out / name, "--out", fix="remove it or choose another --out directory")
     return plan
