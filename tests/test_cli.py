@@ -242,6 +242,8 @@ def test_report_writes_beside_the_json_by_default(out_dir, tmp_path):
     ("not-json", "invalid JSON"),
     ("wrong-schema", "schema_version"),
     ("bad-recipe", "runs[0].recipe"),
+    ("doctor-report", "is a doctor report"),
+    ("inspect-report", "is an inspect report"),
     ("out-dir-missing", "does not exist"),
     ("out-is-a-directory", "is a directory"),
 ])
@@ -251,6 +253,8 @@ def test_report_refuses_bad_input_with_one_line(case, word, tmp_path):
     path.write_text({"not-json": "{not json", "wrong-schema": good.replace('"schema_version": 1',
                                                                          '"schema_version": 99'),
                      "bad-recipe": good.replace("params=fp32,compute=fp32", "params=fp17,compute=fp32"),
+                     "doctor-report": '{"schema_version": 1, "kind": "doctor", "workload": "mlp"}',
+                     "inspect-report": '{"schema_version": 1, "kind": "inspect", "workload": "mlp"}',
                      }.get(case, good))
     if case == "missing":
         path.unlink()

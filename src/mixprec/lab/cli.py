@@ -17,6 +17,7 @@ workload, module and op; ``--traceback`` (anywhere on the line) or ``MIXPREC_TRA
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -292,6 +293,7 @@ def _report(args: argparse.Namespace) -> int:
                              "by 'mixprec compare --out DIR' (DIR/report.json) or '--json PATH'") from None
         except UnicodeDecodeError:
             raise ValueError(f"{args.json} is not a mixprec report: it is not UTF-8 text") from None
+        _refuse_other_kinds(args.json, text)
         report = CompareReport.from_json(text)
         for i, run in enumerate(report.runs):
             try:
@@ -304,6 +306,21 @@ def _report(args: argparse.Namespace) -> int:
     _write_page(report, out)
     _print_table(report)
     return 0
+
+
+def _refuse_other_kinds(path: Path, text: str) -> None:
+    """A doctor or inspect report handed to ``mixprec report``: say what it is, not a schema diff."""
+    try:
+        kind = json.loads(text).get("kind")
+    except (ValueError, AttributeError):
+        return                            # not JSON, or not an object: from_json says so
+    if kind == "doctor":
+        raise ValueError(f"{path} is a doctor report ('mixprec report' renders compare reports): its "
+                         f"page is {path.with_name('doctor.html')} when doctor ran with --out DIR; to "
+                         "write it, run 'mixprec doctor ... --out DIR' again")
+    if kind == "inspect":
+        raise ValueError(f"{path} is an inspect report ('mixprec report' renders compare reports); "
+                         "'mixprec inspect' prints its tables, and the JSON is the data")
 
 
 def _trace(args: argparse.Namespace) -> int:
