@@ -132,6 +132,7 @@ def test_report_file_reads_back_into_an_equal_report(report_path):
     (["compare", "--steps", "1", "--device", "potato"], "device"),
     (["compare", "--steps", "1", "--json", "/nonexistent-dir/sub/report.json"], "does not exist"),
     (["frobnicate"], "frobnicate"),
+    (["compare", "--steps", "1", "--parallel", "fsdp"], "--parallel fsdp needs --nproc N"),
 ])
 def test_user_mistakes_print_one_line_and_exit_2(args, word):
     proc = _cli(*args)
