@@ -12,7 +12,6 @@ trains it::
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -101,11 +100,7 @@ def run_compare(plan: ComparePlan,
     plan.workload.load_data()   # loaded (and cached) up front, so no run's wall_s includes it
     runs = []
     if plan.nproc > 1:
-        runs = train_on_ranks(plan)
-        for i, run in enumerate(runs if on_progress is not None else ()):
-            # The ranks report nothing while they train: each bar jumps to its end when all are done.
-            on_progress(i, TrainProgress(0, plan.steps, math.nan, math.nan))
-            on_progress(i, TrainProgress(plan.steps, plan.steps, run.losses[-1], run.samples_per_s))
+        runs = train_on_ranks(plan, on_progress)     # rank 0's progress, relayed about once a second
     for i, recipe in enumerate(plan.recipes if plan.nproc == 1 else ()):
         callback = None if on_progress is None else (lambda p, i=i: on_progress(i, p))
         runs.append(train(plan.workload, recipe, steps=plan.steps, device=plan.device, seed=plan.seed,
