@@ -348,3 +348,25 @@ def test_path_errors_name_the_real_problem(tmp_path, command, option, target, wo
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert all(w in lines[0] for w in words) and "mkdir -p" not in lines[0], lines[0]
     assert (tmp_path / "afile").read_text() == "keep\n"
+
+
+def test_a_run_that_skipped_every_step_is_marked_failed_in_table_notes_and_page():
+    """Issue 15: compare printed 'loss nan, test acc 36.0%, skips 10' for a run that never stepped."""
+    import io
+
+    from rich.console import Console
+
+    from mixprec.lab.html import render_html
+    dead = _run("bf16", recipe="params=fp32,compute=bf16,master=none,scale=none", skipped_steps=3,
+                skipped_at=(0, 1, 2), final_loss=math.nan, test_metric=0.36)
+    report = _report(_run("fp32"), dead)
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(render_table(report))
+    bf16_row = next(line for line in buf.getvalue().splitlines() if line.strip().startswith("bf16"))
+    assert "failed" in bf16_row and "36.0%" not in bf16_row and "nan" not in bf16_row
+    fp32_row = next(line for line in buf.getvalue().splitlines() if line.strip().startswith("fp32"))
+    assert "failed" not in fp32_row                       # one skip of three is a result
+    (note,) = [n for n in render_notes(report) if "FAILED" in n]
+    assert note.startswith("bf16 FAILED: all 3 steps were skipped") and "trace_nonfinite=True" in note
+    page = render_html(report)
+    assert "bf16 FAILED: all 3 steps" in page and "<td class=\"right\">failed</td>" in page
