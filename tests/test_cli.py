@@ -370,3 +370,15 @@ def test_a_run_that_skipped_every_step_is_marked_failed_in_table_notes_and_page(
     assert note.startswith("bf16 FAILED: all 3 steps were skipped") and "trace_nonfinite=True" in note
     page = render_html(report)
     assert "bf16 FAILED: all 3 steps" in page and "<td class=\"right\">failed</td>" in page
+
+
+def test_memory_is_counted_on_the_first_step_taken_not_a_skipped_one():
+    """Issue 15: a skipped first step had no AdamW state yet: 203 kB 0.52x against fp16's 357 kB."""
+    from mixprec.lab.trainer import train
+    from mixprec.lab.workloads import get_workload
+    mlp = get_workload("mlp")
+    normal = train(mlp, "fp16", steps=20)
+    overflow = train(mlp, "fp16,scale=dynamic(init=2**24)", steps=20)   # too large: step 0 overflows
+    assert normal.skipped_at == () and overflow.skipped_at[:1] == (0,) and overflow.skipped_steps < 20
+    assert overflow.memory.optimizer == normal.memory.optimizer > 0
+    assert overflow.memory == normal.memory

@@ -128,7 +128,8 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
 
     ``eval_every=K`` also measures the test metric after every K steps (the clock pauses meanwhile);
     the final evaluation always happens. Memory by role is measured on the first step (saved-tensor
-    hooks for activations, tensor sizes for the rest) and, on CUDA, the allocator's peak for the run.
+    hooks for activations) and after the first step not skipped (tensor sizes for the rest: optimizer
+    state exists only once a step was taken) and, on CUDA, the allocator's peak for the run.
     Raises ValueError if the recipe cannot run on ``device`` (MixedPrecision checks). Syncs with the
     host at the end, on every progress report and at each evaluation.
 
@@ -164,7 +165,7 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
     warmup = warmup_steps(steps)
     losses_t, scales_t, skipped_t = [], [], []
     eval_steps, eval_metrics = [], []
-    memory = MemoryBreakdown()
+    memory, memory_counted, activations = MemoryBreakdown(), False, 0
     paused_s = 0.0                                            # evaluation time, kept off the clock
     model.train()
     if on_progress is not None:
@@ -181,8 +182,13 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
                 loss = workload.loss_fn(forward(data.x_train[idx]), data.y_train[idx])
             mp.backward(loss)
         result = mp.step()
-        if step == 0:   # after the step: gradients, fp32 copies and optimizer state all exist now
-            memory = dataclasses.replace(state_bytes(mp), activations=meter.bytes)
+        if step == 0:
+            activations = meter.bytes
+        if not memory_counted and (step == steps - 1 or not result.skipped):   # syncs until then
+            # After the first step taken: gradients, fp32 copies and optimizer state all exist now
+            # (a skipped first step leaves AdamW's moments unallocated: counting then undercounts).
+            memory = dataclasses.replace(state_bytes(mp), activations=activations)
+            memory_counted = True
         mp.zero_grad()
         losses_t.append(loss.detach())
         scales_t.append(result.scale_t)
