@@ -382,3 +382,31 @@ def test_memory_is_counted_on_the_first_step_taken_not_a_skipped_one():
     assert normal.skipped_at == () and overflow.skipped_at[:1] == (0,) and overflow.skipped_steps < 20
     assert overflow.memory.optimizer == normal.memory.optimizer > 0
     assert overflow.memory == normal.memory
+
+
+def test_ctrl_c_keeps_the_recipes_that_finished(tmp_path, monkeypatch, capsys):
+    """Issue 15: Ctrl-C threw away recipes that had already finished."""
+    import mixprec.lab.compare
+    from mixprec.lab.cli import main
+    real_train, calls = mixprec.lab.compare.train, []
+
+    def train_then_interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt          # Ctrl-C while the second recipe trains
+        return real_train(*args, **kwargs)
+    monkeypatch.setattr(mixprec.lab.compare, "train", train_then_interrupt)
+    rc = main(["compare", "--recipes", "fp32,bf16,fp16", "--steps", "3", "--device", "cpu",
+               "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 130 and "kept the 1 recipe(s) that finished" in captured.err
+    report = CompareReport.from_json((tmp_path / "report.json").read_text())
+    assert report.partial and [r.label for r in report.runs] == ["fp32"]
+    assert "PARTIAL: interrupted" in captured.out
+    assert "PARTIAL: interrupted" in (tmp_path / "report.html").read_text()
+
+
+def test_reports_without_the_partial_field_still_read():
+    data = json.loads(_report(_run("fp32")).to_json())
+    assert data.pop("partial") is False
+    assert CompareReport.from_json(json.dumps(data)) == _report(_run("fp32"))

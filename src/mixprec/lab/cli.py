@@ -238,6 +238,10 @@ def _compare(args: argparse.Namespace) -> int:
     if args.out is not None:
         _write_page(report, args.out / "report.html")
     _print_table(report)
+    if report.partial:
+        print(f"mixprec: interrupted; kept the {len(report.runs)} recipe(s) that finished (report marked "
+              "partial)", file=sys.stderr)
+        return _INTERRUPTED
     return 0
 
 

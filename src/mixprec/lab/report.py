@@ -19,6 +19,8 @@ JSON schema, version 1 (one object; floats that are not finite are written as th
     higher_is_better bool     whether a larger test_metric is better (accuracy) or worse (a loss)
     synthetic        bool     random data (a benchmark): the metric only shows the numbers stayed finite
     seed             int      fixes the initial weights and the minibatch order, the same for every run
+    partial          bool     the run was interrupted: runs holds only the recipes that finished
+                              (optional when reading; false if absent)
     runs             list     one object per recipe, in the order run:
       recipe         str      the full recipe string (mixprec.parse_recipe reads it back)
       label          str      the recipe's name, or the full string for a custom recipe
@@ -83,6 +85,7 @@ class CompareReport:
     higher_is_better: bool = True
     synthetic: bool = False
     schema_version: int = SCHEMA_VERSION
+    partial: bool = False      # interrupted (Ctrl-C): ``runs`` holds only the recipes that finished
 
     def run(self, label: str) -> RunResult:
         """The run whose label (recipe name) is ``label``."""
@@ -109,6 +112,7 @@ class CompareReport:
         if version != SCHEMA_VERSION:
             raise ValueError(f"report schema_version is {version!r}; this mixprec reads version "
                              f"{SCHEMA_VERSION}: read it with the mixprec that wrote it, or re-run compare")
+        data = {"partial": False, **data}        # reports written before the field existed
         fields = _convert(data, _REPORT_FIELDS, "report")
         runs = data["runs"]
         if not isinstance(runs, list):
@@ -187,6 +191,8 @@ def render_notes(report: CompareReport) -> list[str]:
               f"the weights never changed and its loss and {report.metric} are not results; "
               "'mixprec doctor' with this recipe, or MixedPrecision(..., trace_nonfinite=True), names the "
               "module and op where the first inf/NaN appeared" for r in report.runs if failed(report, r)]
+    if report.partial:
+        notes.append(f"PARTIAL: interrupted; only the {len(report.runs)} recipe(s) above finished")
     if report.synthetic:
         notes.append(f"note: {report.workload} trains on random data, for speed and memory; its "
                      f"{report.metric} only shows that the numbers stayed finite")
@@ -280,7 +286,7 @@ _REPORT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "schema_version": _int, "workload": _str, "metric": _str, "device": _str, "device_name": _str,
     "threads": _int, "torch_version": _str, "mixprec_version": _str, "steps": _int, "batch_size": _int,
     "seed": _int, "tokens_per_sample": _int, "higher_is_better": _bool,
-    "synthetic": _bool,
+    "synthetic": _bool, "partial": _bool,
 }
 _RUN_FIELDS: dict[str, Callable[[Any], Any]] = {
     "recipe": _str, "label": _str, "final_loss": decode_float, "test_metric": decode_float,
