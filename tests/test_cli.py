@@ -410,3 +410,15 @@ def test_reports_without_the_partial_field_still_read():
     data = json.loads(_report(_run("fp32")).to_json())
     assert data.pop("partial") is False
     assert CompareReport.from_json(json.dumps(data)) == _report(_run("fp32"))
+
+
+def test_slow_steps_report_progress_by_time_not_only_every_ten_steps():
+    """Issue 15: compare --benchmark gpt2 on a CPU printed nothing for 90 s (ten slow steps)."""
+    from mixprec.lab.trainer import train
+    from mixprec.lab.workloads import get_workload
+    seen = []
+    train(get_workload("mlp"), "fp32", steps=4, on_progress=lambda p: seen.append(p.step), progress_s=0.0)
+    assert seen == [0, 1, 2, 3, 4]
+    seen.clear()
+    train(get_workload("mlp"), "fp32", steps=4, on_progress=lambda p: seen.append(p.step), progress_s=1e9)
+    assert seen == [0, 4]

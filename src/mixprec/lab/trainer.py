@@ -123,7 +123,7 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
 def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch.device | str = "cpu",
           seed: int = 0, on_progress: Callable[[TrainProgress], None] | None = None,
           progress_every: int = 10, eval_every: int | None = None,
-          parallel: str | None = None) -> RunResult:
+          parallel: str | None = None, progress_s: float = 2.0) -> RunResult:
     """Train ``workload`` under ``recipe`` for ``steps`` steps from seed-fixed weights; evaluate; report.
 
     ``eval_every=K`` also measures the test metric after every K steps (the clock pauses meanwhile);
@@ -170,7 +170,7 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
     model.train()
     if on_progress is not None:
         on_progress(TrainProgress(0, steps, math.nan, math.nan))   # the run starts now
-    t_timed = time.perf_counter()
+    t_timed = t_reported = time.perf_counter()
     for step in range(steps):
         if step == warmup:
             _synchronize(device)
@@ -200,7 +200,11 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
             eval_steps.append(done)
             eval_metrics.append(_evaluate(workload, model, mp, data.x_test, data.y_test))
             paused_s += time.perf_counter() - t_pause if done > warmup else 0.0
-        if on_progress is not None and (done % progress_every == 0 or done == steps):
+        # Every progress_every steps, and at least every progress_s seconds: a GPU benchmark on a CPU
+        # takes seconds per step, and ten of them before the first report looked like a hang.
+        if on_progress is not None and (done % progress_every == 0 or done == steps
+                                        or time.perf_counter() - t_reported >= progress_s):
+            t_reported = time.perf_counter()
             loss_now = float(losses_t[-1])                    # syncs: the clock below is then honest
             elapsed = time.perf_counter() - t_timed - paused_s
             timed = done - warmup
