@@ -422,3 +422,14 @@ def test_slow_steps_report_progress_by_time_not_only_every_ten_steps():
     seen.clear()
     train(get_workload("mlp"), "fp32", steps=4, on_progress=lambda p: seen.append(p.step), progress_s=1e9)
     assert seen == [0, 4]
+
+
+def test_recipe_words_let_a_named_recipe_be_tweaked_on_the_command_line():
+    from mixprec.lab.cli import _recipe_words
+    from mixprec.recipe import parse_recipe
+    words = _recipe_words(["fp32,fp16,scale=static:1024", "fp8-delayed,fp8=delayed(margin=1)",
+                           "fp32,params=bf16,compute=bf16,rounding=stochastic"])
+    assert words == ["fp32", "fp16,scale=static:1024", "fp8-delayed,fp8=delayed(margin=1)", "fp32",
+                     "params=bf16,compute=bf16,rounding=stochastic"]
+    assert [parse_recipe(w).label for w in words][-1] == "bf16-sr"
+    assert str(parse_recipe(words[2])).endswith("compute=bf16,master=none,scale=none,fp8=delayed(margin=1)")

@@ -164,6 +164,7 @@ def _recipe_words(values: Sequence[str] | None) -> list[str]:
 
         ["fp32,params=bf16,compute=bf16,fp16"] -> ["fp32", "params=bf16,compute=bf16", "fp16"]
         ["fp32,bf16,fp32_ops=softmax"] -> ["fp32", "bf16,fp32_ops=softmax"]
+        ["fp32,fp16,scale=static:1024"] -> ["fp32", "fp16,scale=static:1024"]
     """
     if values is None:
         return list(DEFAULT_RECIPES)
@@ -182,7 +183,7 @@ def _recipe_words(values: Sequence[str] | None) -> list[str]:
                 specs.append(item)
         if group:
             specs.append(",".join(group))
-    # Op-list and module keys right after a name edit that named recipe: bf16,fp32_ops=softmax.
+    # Tweaking keys right after a name edit that named recipe: bf16,fp32_ops=softmax.
     merged: list[str] = []
     for spec in specs:
         keys = {item.partition("=")[0].strip() for item in split_top_level(spec)}
@@ -193,7 +194,9 @@ def _recipe_words(values: Sequence[str] | None) -> list[str]:
     return merged
 
 
-_EDIT_KEYS = {"fp32_ops", "low_ops", "follow_ops", "modules"}
+# Keys that tweak the named recipe before them (fp16,scale=static:1024; fp8-delayed,fp8=delayed(margin=1));
+# params, compute and master start a recipe of their own (fp32,params=bf16,compute=bf16 is two).
+_EDIT_KEYS = {"fp32_ops", "low_ops", "follow_ops", "modules", "scale", "fp8", "rounding", "fp32_modules"}
 
 
 # ---------------------------------------------------------------------------------------- compare
