@@ -35,8 +35,8 @@ from torch.utils.hooks import RemovableHandle
 from .casting import cast_model, keeps_fp32, low_precision_params
 from .checkpoint_check import check_engine_state
 from .devices import supports
-from .export import fp32_state_dict
 from .distributed import GradSync, SyncKind, local_shard
+from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
@@ -250,7 +250,9 @@ class MixedPrecision:
         """Unscale, clip, check for overflow, then step or skip, then update the scale.
 
         Forces one host sync on the generic path (to decide whether to call ``optimizer.step()``),
-        none on the fused path. The result's properties sync when read.
+        none on the fused path. The result's properties sync when read. Gradients that did not come
+        from ``mp.backward`` under a loss scale, or that a step already applied, are refused first
+        (RuntimeError, nothing changed; ``usage_checks``).
         """
         model_grads = self._model_grads()
         if not model_grads:
