@@ -318,21 +318,26 @@ def shapes():
 
 
 @pytest.mark.parametrize("command", ["compare", "doctor"])
-def test_a_bug_in_the_users_model_is_one_line_with_traceback_on_request(tmp_path, command):
+def test_a_bug_in_the_users_model_is_one_line_with_traceback_on_request(tmp_path, command, monkeypatch,
+                                                                       capsys):
+    from mixprec.lab.cli import main
     (tmp_path / "buggy_workload.py").write_text(BUGGY)
-    import os
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    args = [sys.executable, "-m", "mixprec.lab.cli", command, "--workload", "buggy_workload:shapes",
-            "--steps", "2", "--device", "cpu"] + (["--recipes", "fp32"] if command == "compare" else [])
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("mixprec: error:")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    monkeypatch.syspath_prepend(str(tmp_path))            # in-process: an interpreter start costs seconds
+    monkeypatch.delenv("MIXPREC_TRACEBACK", raising=False)
+    args = [command, "--workload", "buggy_workload:shapes", "--steps", "2", "--device", "cpu"] + (
+        ["--recipes", "fp32"] if command == "compare" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("mixprec: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
     line = errors[0]
     assert "buggy_workload:shapes: RuntimeError" in line and "module Linear" in line, line
     assert "F.linear" in line and "--traceback" in line, line
-    full = subprocess.run(args + ["--traceback"], capture_output=True, text=True, timeout=120, env=env)
-    assert full.returncode != 0 and "Traceback (most recent call last)" in full.stderr
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):    # the whole traceback on request
+        main(args + ["--traceback"])
+    monkeypatch.setenv("MIXPREC_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        main(args)
 
 
 @pytest.mark.parametrize("command, option, target, words", [
@@ -341,11 +346,12 @@ def test_a_bug_in_the_users_model_is_one_line_with_traceback_on_request(tmp_path
     ("doctor", "--json", "afile/sub/x.json", ["afile is a file, not a directory"]),
     ("doctor", "--out", "afile", ["doctor.json and doctor.html"]),
 ])
-def test_path_errors_name_the_real_problem(tmp_path, command, option, target, words):
+def test_path_errors_name_the_real_problem(tmp_path, command, option, target, words, capsys):
+    from mixprec.lab.cli import main
     (tmp_path / "afile").write_text("keep\n")
-    proc = _cli(command, "--steps", "1", "--device", "cpu", option, str(tmp_path / target))
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert main([command, "--steps", "1", "--device", "cpu", option, str(tmp_path / target)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
     assert all(w in lines[0] for w in words) and "mkdir -p" not in lines[0], lines[0]
     assert (tmp_path / "afile").read_text() == "keep\n"
 
