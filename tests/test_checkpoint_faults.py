@@ -251,3 +251,15 @@ def test_weights_only_hint_comes_first_and_short(tmp_path):
     message = str(info.value)
     assert "weights_only=False" in message[:200] and "\x1b" not in message and len(message) < 500
     assert load_checkpoint(path, mp, weights_only=False)["obj"].__class__ is Custom
+
+
+def test_a_failure_the_checks_do_not_know_says_the_engine_may_be_partly_restored(tmp_path, monkeypatch):
+    path = save_checkpoint(tmp_path / "ck.pt", make()[0])
+    mp, _ = make(sched=None)
+
+    def broken(state):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(mp.optimizer, "load_state_dict", broken)
+    with pytest.raises(CheckpointError, match="restoring failed after every check passed .injected.*"
+                                              "partly restored"):
+        load_checkpoint(path, mp)

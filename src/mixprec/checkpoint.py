@@ -118,13 +118,18 @@ def load_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
     except ValueError as exc:
         raise CheckpointError(f"{path}: does not fit this model/optimizer/recipe: {exc}") from None
     # Everything below was checked to fit: each load accepts what it is given.
-    engine.model.load_state_dict(state["model"])
-    engine.load_state_dict(state["mixprec"])
-    engine.optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if rng and state["rng"] is not None:
-        _set_rng_state(state["rng"])
+    try:
+        engine.model.load_state_dict(state["model"])
+        engine.load_state_dict(state["mixprec"])
+        engine.optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if rng and state["rng"] is not None:
+            _set_rng_state(state["rng"])
+    except Exception as exc:   # a misfit the checks do not know yet: say the engine is half-restored
+        raise CheckpointError(f"{path}: restoring failed after every check passed ({exc}); the engine may "
+                              "be partly restored: rebuild it before training on, and report this as a "
+                              "mixprec bug") from exc
     return state["extra"]
 
 

@@ -43,6 +43,10 @@ class UsageChecks:
     def __init__(self, recipe: Any, scaled: bool, device: torch.device) -> None:
         # fp16/bf16 autocast or fp8 layers: forgetting mp.autocast() changes what is computed.
         self.needs_autocast = recipe.autocast or recipe.fp8 is not None
+        # What running outside autocast means: fp32 compute, or (pure recipes: 16-bit weights) no op lists.
+        self.outside = (f"without autocast's op lists (ops that need fp32, such as softmax and losses, ran "
+                        f"in {recipe.param.value})" if recipe.param.is_low else
+                        "in fp32, not in the recipe's precision")
         self.scaled = scaled            # a loss scale S != 1 is in force (static or dynamic)
         self.entered_autocast = False   # mp.autocast() entered since the last step()
         self.via_engine = False         # mp.backward() called since the last step()
@@ -63,8 +67,8 @@ class UsageChecks:
             self.warned_autocast = True
             warnings.warn(
                 "mp.backward() was called but mp.autocast() was not entered since the last step: the "
-                "forward ran in fp32, not in the recipe's precision. Run the forward inside "
-                "`with mp.autocast():`", UserWarning, stacklevel=3)
+                f"forward ran {self.outside}. Run the forward inside `with mp.autocast():`",
+                UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ before the step
     def check_before_step(self, model_grads: list[torch.Tensor]) -> None:
