@@ -33,7 +33,8 @@ case "${1:-}" in
     run bench-fp8 "$PY" benchmarks/bench_fp8.py --device cuda
     run bench-oplists "$PY" benchmarks/bench_oplists.py --device cuda
     run bench-doctor "$PY" benchmarks/bench_doctor.py --device cuda
-    run bench-dist "$PY" benchmarks/bench_dist.py --device cuda --nproc 1 ;;
+    run bench-dist "$PY" benchmarks/bench_dist.py --device cuda --nproc 1
+    run bench-usage-checks "$PY" benchmarks/bench_usage_checks.py --device cuda --width 1024 ;;   # issue 15
   lab)
     run compare-gpt2 $MIXPREC compare --benchmark gpt2 --device cuda --recipes fp32,tf32,fp16,bf16,fp8 \
         --steps 60 --json "$OUT/compare-gpt2.json"

@@ -183,3 +183,12 @@ def worker(rank: int, world: int, out_dir: str, scenarios: list[dict], device_ty
         results[sc["name"]] = {"whole": whole[k:], "resumed": resumed}
         dist.barrier()
     torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+def sleeper(rank: int, world: int, pid_dir: str) -> None:
+    """Writes its pid, then waits far longer than any test: only a terminate ends it (issue 15)."""
+    import os
+    import time
+    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)

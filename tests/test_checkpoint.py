@@ -100,6 +100,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
     monkeypatch.setattr(mixprec.checkpoint.os, "replace", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="disk full") as info:
         save_checkpoint(path, mp, extra={"step": 2})
+    assert str(path) in str(info.value) and ".tmp" not in str(info.value)   # the user's path, not ours
     assert path.read_bytes() == good and list(tmp_path.iterdir()) == [path]

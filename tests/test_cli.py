@@ -133,6 +133,7 @@ def test_report_file_reads_back_into_an_equal_report(report_path):
     (["compare", "--steps", "1", "--device", "potato"], "device"),
     (["compare", "--steps", "1", "--json", "/nonexistent-dir/sub/report.json"], "does not exist"),
     (["frobnicate"], "frobnicate"),
+    (["compare", "--steps", "1", "--parallel", "fsdp"], "--parallel fsdp needs --nproc N"),
 ])
 def test_user_mistakes_print_one_line_and_exit_2(args, word):
     proc = _cli(*args)
@@ -243,6 +244,8 @@ def test_report_writes_beside_the_json_by_default(out_dir, tmp_path):
     ("not-json", "invalid JSON"),
     ("wrong-schema", "schema_version"),
     ("bad-recipe", "runs[0].recipe"),
+    ("doctor-report", "is a doctor report"),
+    ("inspect-report", "is an inspect report"),
     ("out-dir-missing", "does not exist"),
     ("out-is-a-directory", "is a directory"),
 ])
@@ -252,6 +255,8 @@ def test_report_refuses_bad_input_with_one_line(case, word, tmp_path):
     path.write_text({"not-json": "{not json", "wrong-schema": good.replace('"schema_version": 1',
                                                                          '"schema_version": 99'),
                      "bad-recipe": good.replace("params=fp32,compute=fp32", "params=fp17,compute=fp32"),
+                     "doctor-report": '{"schema_version": 1, "kind": "doctor", "workload": "mlp"}',
+                     "inspect-report": '{"schema_version": 1, "kind": "inspect", "workload": "mlp"}',
                      }.get(case, good))
     if case == "missing":
         path.unlink()
@@ -283,3 +288,155 @@ def test_tiny_losses_keep_their_digits_in_the_table():
     assert _loss_text(1.019e-9) == "1.019e-09"
     assert _loss_text(0.0315) == "0.0315" and _loss_text(0.0) == "0.0000"
     assert _loss_text(float("nan")) == "nan"
+
+
+def test_tables_print_every_value_in_full_when_piped(tmp_path):
+    """Issue 15: in a pipe rich assumed 80 columns and printed 'spe...', '1.0...', '1.67772e+...'."""
+    long = "params=fp16,compute=fp16,master=fp32,scale=dynamic(hysteresis=2,growth_interval=1000)"
+    runs = [_run("fp32"), _run(long, recipe=long, final_scale=2.0**24, samples_per_s=123456.0)]
+    path = tmp_path / "wide.json"
+    path.write_text(_report(*runs).to_json())
+    proc = _cli("report", str(path), "--out", str(tmp_path / "wide.html"))
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout and "..." not in proc.stdout
+    assert "16777216" in proc.stdout and "speed" in proc.stdout and "123,456" in proc.stdout
+    assert f"custom-1: {long}" in proc.stdout
+
+
+BUGGY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from mixprec.lab.workloads import Split
+
+
+def shapes():
+    x, y = torch.randn(200, 16), torch.randint(0, 3, (200,))
+    return {"model": nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(8, 3)),   # 32 != 8
+            "data": Split(x[:160], y[:160], x[160:], y[160:]), "loss": F.cross_entropy,
+            "optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}
+'''
+
+
+@pytest.mark.parametrize("command", ["compare", "doctor"])
+def test_a_bug_in_the_users_model_is_one_line_with_traceback_on_request(tmp_path, command, monkeypatch,
+                                                                       capsys):
+    from mixprec.lab.cli import main
+    (tmp_path / "buggy_workload.py").write_text(BUGGY)
+    monkeypatch.syspath_prepend(str(tmp_path))            # in-process: an interpreter start costs seconds
+    monkeypatch.delenv("MIXPREC_TRACEBACK", raising=False)
+    args = [command, "--workload", "buggy_workload:shapes", "--steps", "2", "--device", "cpu"] + (
+        ["--recipes", "fp32"] if command == "compare" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("mixprec: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    line = errors[0]
+    assert "buggy_workload:shapes: RuntimeError" in line and "module Linear" in line, line
+    assert "F.linear" in line and "--traceback" in line, line
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):    # the whole traceback on request
+        main(args + ["--traceback"])
+    monkeypatch.setenv("MIXPREC_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        main(args)
+
+
+@pytest.mark.parametrize("command, option, target, words", [
+    ("compare", "--json", "afile/x.json", ["afile is a file, not a directory"]),
+    ("compare", "--out", "afile/run", ["afile is a file, not a directory"]),
+    ("doctor", "--json", "afile/sub/x.json", ["afile is a file, not a directory"]),
+    ("doctor", "--out", "afile", ["doctor.json and doctor.html"]),
+])
+def test_path_errors_name_the_real_problem(tmp_path, command, option, target, words, capsys):
+    from mixprec.lab.cli import main
+    (tmp_path / "afile").write_text("keep\n")
+    assert main([command, "--steps", "1", "--device", "cpu", option, str(tmp_path / target)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert all(w in lines[0] for w in words) and "mkdir -p" not in lines[0], lines[0]
+    assert (tmp_path / "afile").read_text() == "keep\n"
+
+
+def test_a_run_that_skipped_every_step_is_marked_failed_in_table_notes_and_page():
+    """Issue 15: compare printed 'loss nan, test acc 36.0%, skips 10' for a run that never stepped."""
+    import io
+
+    from rich.console import Console
+
+    from mixprec.lab.html import render_html
+    dead = _run("bf16", recipe="params=fp32,compute=bf16,master=none,scale=none", skipped_steps=3,
+                skipped_at=(0, 1, 2), final_loss=math.nan, test_metric=0.36)
+    report = _report(_run("fp32"), dead)
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(render_table(report))
+    bf16_row = next(line for line in buf.getvalue().splitlines() if line.strip().startswith("bf16"))
+    assert "failed" in bf16_row and "36.0%" not in bf16_row and "nan" not in bf16_row
+    fp32_row = next(line for line in buf.getvalue().splitlines() if line.strip().startswith("fp32"))
+    assert "failed" not in fp32_row                       # one skip of three is a result
+    (note,) = [n for n in render_notes(report) if "FAILED" in n]
+    assert note.startswith("bf16 FAILED: all 3 steps were skipped") and "trace_nonfinite=True" in note
+    page = render_html(report)
+    assert "bf16 FAILED: all 3 steps" in page and "<td class=\"right\">failed</td>" in page
+
+
+def test_memory_is_counted_on_the_first_step_taken_not_a_skipped_one():
+    """Issue 15: a skipped first step had no AdamW state yet: 203 kB 0.52x against fp16's 357 kB."""
+    from mixprec.lab.trainer import train
+    from mixprec.lab.workloads import get_workload
+    mlp = get_workload("mlp")
+    normal = train(mlp, "fp16", steps=20)
+    overflow = train(mlp, "fp16,scale=dynamic(init=2**24)", steps=20)   # too large: step 0 overflows
+    assert normal.skipped_at == () and overflow.skipped_at[:1] == (0,) and overflow.skipped_steps < 20
+    assert overflow.memory.optimizer == normal.memory.optimizer > 0
+    assert overflow.memory == normal.memory
+
+
+def test_ctrl_c_keeps_the_recipes_that_finished(tmp_path, monkeypatch, capsys):
+    """Issue 15: Ctrl-C threw away recipes that had already finished."""
+    import mixprec.lab.compare
+    from mixprec.lab.cli import main
+    real_train, calls = mixprec.lab.compare.train, []
+
+    def train_then_interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt          # Ctrl-C while the second recipe trains
+        return real_train(*args, **kwargs)
+    monkeypatch.setattr(mixprec.lab.compare, "train", train_then_interrupt)
+    rc = main(["compare", "--recipes", "fp32,bf16,fp16", "--steps", "3", "--device", "cpu",
+               "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 130 and "kept the 1 recipe(s) that finished" in captured.err
+    report = CompareReport.from_json((tmp_path / "report.json").read_text())
+    assert report.partial and [r.label for r in report.runs] == ["fp32"]
+    assert "PARTIAL: interrupted" in captured.out
+    assert "PARTIAL: interrupted" in (tmp_path / "report.html").read_text()
+
+
+def test_reports_without_the_partial_field_still_read():
+    data = json.loads(_report(_run("fp32")).to_json())
+    assert data.pop("partial") is False
+    assert CompareReport.from_json(json.dumps(data)) == _report(_run("fp32"))
+
+
+def test_slow_steps_report_progress_by_time_not_only_every_ten_steps():
+    """Issue 15: compare --benchmark gpt2 on a CPU printed nothing for 90 s (ten slow steps)."""
+    from mixprec.lab.trainer import train
+    from mixprec.lab.workloads import get_workload
+    seen = []
+    train(get_workload("mlp"), "fp32", steps=4, on_progress=lambda p: seen.append(p.step), progress_s=0.0)
+    assert seen == [0, 1, 2, 3, 4]
+    seen.clear()
+    train(get_workload("mlp"), "fp32", steps=4, on_progress=lambda p: seen.append(p.step), progress_s=1e9)
+    assert seen == [0, 4]
+
+
+def test_recipe_words_let_a_named_recipe_be_tweaked_on_the_command_line():
+    from mixprec.lab.cli import _recipe_words
+    from mixprec.recipe import parse_recipe
+    words = _recipe_words(["fp32,fp16,scale=static:1024", "fp8-delayed,fp8=delayed(margin=1)",
+                           "fp32,params=bf16,compute=bf16,rounding=stochastic"])
+    assert words == ["fp32", "fp16,scale=static:1024", "fp8-delayed,fp8=delayed(margin=1)", "fp32",
+                     "params=bf16,compute=bf16,rounding=stochastic"]
+    assert [parse_recipe(w).label for w in words][-1] == "bf16-sr"
+    assert str(parse_recipe(words[2])).endswith("compute=bf16,master=none,scale=none,fp8=delayed(margin=1)")

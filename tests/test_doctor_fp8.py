@@ -129,3 +129,26 @@ def test_findings_follow_the_counts(fp8_run):
     assert "fp8=current(margin=1)" in line
     uncounted = _with(report, counted=0, flushed_fraction=None, saturated_fraction=None)
     assert render_fp8_findings(uncounted) == []
+
+
+def test_every_recipe_the_doctor_suggests_parses_to_what_it_means(fp8_run):
+    """Issue 15: the advice used to print a bare fp8=delayed(margin=1), which as --recipe runs fp32."""
+    import re
+
+    from mixprec.recipe import parse_recipe
+    _, report, _, _ = fp8_run
+    ran = parse_recipe(report.recipe)
+    lines = (render_fp8_findings(_with(report, saturated_fraction=0.125, flushed_fraction=0.0))
+             + render_fp8_findings(_with(report, history_amax=None, saturated_fraction=0.5,
+                                         flushed_fraction=0.0))
+             + render_fp8_findings(_with(report, flushed_fraction=0.25, saturated_fraction=0.0,
+                                         history_amax=1e9)))
+    suggested = [parse_recipe(text) for line in lines for text in re.findall(r"--recipe '([^']+)'", line)]
+    assert len(suggested) == 7
+    for r in suggested:      # everything but the fp8 options stays as the run had it (bf16 compute)
+        assert r.compute is ran.compute and r.param is ran.param and r.fp8 is not None
+    margins = [r for r in suggested if r.fp8.margin == 1]
+    assert {r.fp8.delayed for r in margins} == {True, False}
+    assert any(r.fp8.history == 32 for r in suggested) and any(r.fp8.amax == "recent" for r in suggested)
+    assert all(r.fp8.skip == ("0",) for r in suggested if r.fp8.skip)
+    assert "--recipe 'fp8-delayed,fp8=delayed(margin=1)'" in lines[0]

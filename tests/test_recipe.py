@@ -56,7 +56,7 @@ def test_custom_recipe_round_trips(text):
 
 
 def test_defaults_fill_in_and_aliases_parse():
-    r = parse_recipe("params=half")
+    r = parse_recipe("params=half,master=none")
     assert r == RECIPES["fp16"].__class__(param=Precision.FP16, compute=Precision.FP16,
                                            loss_scale=LossScaleConfig())
     assert parse_recipe("compute=bfloat16") == RECIPES["bf16"]
@@ -174,7 +174,7 @@ def test_op_lists_and_modules_after_a_named_recipe():
 
 @pytest.mark.parametrize("text, words", [
     ("bf16,fp32_ops=softmx", ["unknown op 'softmx'", "softmax"]),
-    ("bf16,params=fp16", ["only fp32_ops, low_ops, follow_ops, modules may follow"]),
+    ("bf16,params=fp16", ["params=fp16 needs compute=fp16"]),
     ("bf16,modules=lm_head", ["PATTERN:PRECISION"]),
     ("bf16,modules=lm_head:fp12", ["unknown precision for lm_head", "bf16"]),
     ("bf16,modules=lm_head:tf32", ["fp32, fp16 or bf16"]),
@@ -184,3 +184,55 @@ def test_op_list_and_module_mistakes_name_the_fix(text, words):
     with pytest.raises(ValueError) as e:
         parse_recipe(text)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+# ------------------------------------------------------------------ issue 15: edits, hints, refusals
+@pytest.mark.parametrize("text, expected", [
+    ("fp16,scale=static:1024", "params=fp32,compute=fp16,master=none,scale=static:1024"),
+    ("fp16-pure,scale=dynamic(hysteresis=2)", "params=fp16,compute=fp16,master=fp32,scale=dynamic(hysteresis=2)"),
+    ("fp8-delayed,fp8=delayed(margin=1)", "params=fp32,compute=bf16,master=none,scale=none,fp8=delayed(margin=1)"),
+    ("fp8,fp8=current(pow2=true)", "params=fp32,compute=bf16,master=none,scale=none,fp8=current(pow2=true)"),
+    ("fp16,compute=bf16", "params=fp32,compute=bf16,master=none,scale=none"),       # dynamic was fp16's default
+    ("bf16,compute=fp16", "params=fp32,compute=fp16,master=none,scale=dynamic"),    # and becomes it again
+    ("bf16-pure,params=fp16", "params=fp16,compute=fp16,master=fp32,scale=dynamic"),
+    ("bf16,modules=lm_head:fp16,scale=dynamic", "params=fp32,compute=bf16,master=none,scale=dynamic,"
+                                                "modules=lm_head:fp16"),
+])
+def test_any_key_edits_a_named_recipe(text, expected):
+    r = parse_recipe(text)
+    assert str(r) == expected and parse_recipe(str(r)) == r
+
+
+def test_edits_that_leave_a_named_recipe_give_its_name_back():
+    assert parse_recipe("fp16,scale=dynamic").name == "fp16"
+    assert parse_recipe("fp16-pure,params=bf16,master=fp32").name == "bf16-pure"
+    assert parse_recipe("bf16-pure,params=bf16,rounding=stochastic,master=none").name == "bf16-sr"
+
+
+@pytest.mark.parametrize("text, hint", [("bf16-pur", "'bf16-pure'"), ("FP16", "'fp16'"),
+                                        ("fp8-delay", "'fp8-delayed'"),
+                                        ("bf16-pur,scale=dynamic", "'bf16-pure'")])
+def test_unknown_recipe_names_say_did_you_mean(text, hint):
+    with pytest.raises(ValueError, match="did you mean") as e:
+        parse_recipe(text)
+    assert hint in str(e.value) and "named recipes" in str(e.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("params=fp16", ["params=fp16 without a master copy", "master=fp32", "master=none"]),
+    ("params=bf16", ["master=fp32", "rounding=stochastic"]),
+    ("bf16,modules=2:fp16", ["modules=2:fp16 without loss scaling", "scale=dynamic"]),
+    ("compute=bf16,modules=2:fp16", ["modules=2:fp16 without loss scaling"]),
+    ("compute=fp16,scale=static:1e30", ["above 2**24", "every step is skipped"]),
+    ("fp16,scale=static:2**25", ["above 2**24"]),
+])
+def test_silently_wrong_recipes_are_refused(text, words):
+    with pytest.raises(ValueError) as e:
+        parse_recipe(text)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_the_refused_recipes_parse_when_spelled_out():
+    assert parse_recipe("params=fp16,master=none").master is None
+    assert parse_recipe("bf16,modules=2:fp16,scale=none").loss_scale.kind == "none"
+    assert parse_recipe("compute=fp16,scale=static:2**24").loss_scale.init == 2.0**24

@@ -32,7 +32,7 @@ def test_names_are_unique_and_each_kind_is_found():
 
 
 def test_unknown_name_lists_every_kind():
-    with pytest.raises(ValueError, match=r"unknown workload 'resnet'; built-in: mlp, cnn, gpt, beam; benchmarks "
+    with pytest.raises(ValueError, match=r"unknown workload 'resnet' \(did you mean 'resnet50'\?\); built-in: mlp, cnn, gpt, beam; benchmarks "
                                          r".*: resnet50, gpt2; or your own as package.module:function"):
         get_workload("resnet")
     with pytest.raises(TypeError, match="workload must be a name"):
@@ -345,3 +345,10 @@ def test_user_module_is_found_in_the_current_directory(tmp_path, monkeypatch):
     path_before = list(sys.path)
     assert load_user_workload("mixprec_cwd_workload:mlp") is WORKLOADS["mlp"]
     assert sys.path == path_before                       # the directory was on the path for the import only
+
+
+@pytest.mark.parametrize("name, hint", [("mlpp", "'mlp'"), ("gtp", "'gpt'"), ("resnet5", "'resnet50'")])
+def test_a_misspelled_workload_says_did_you_mean(name, hint):
+    with pytest.raises(ValueError, match="did you mean") as e:
+        get_workload(name)
+    assert hint in str(e.value) and "built-in: mlp" in str(e.value)

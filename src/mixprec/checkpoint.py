@@ -20,6 +20,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checkpoint_check import check_fits
 from .engine import MixedPrecision
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
@@ -47,8 +49,10 @@ def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
     state = {
         "model": engine.model.state_dict(),
         "optimizer": engine.optimizer.state_dict(),
+        "optimizer_type": type(engine.optimizer).__name__,   # an AdamW state must not load into an SGD
         "mixprec": engine.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scheduler_type": type(scheduler).__name__ if scheduler is not None else None,
         "rng": _rng_state() if rng else None,
         "extra": extra,
     }
@@ -61,8 +65,14 @@ def write_verified(path: str | os.PathLike, state: Any) -> Path:
     torch.save(state, buffer)
     payload = buffer.getvalue()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory: save_checkpoint writes one file; give a file name, "
+                              f"e.g. {path / 'step_1000.ckpt'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(_MAGIC + len(payload).to_bytes(8, "little") + hashlib.sha256(payload).digest())
@@ -70,35 +80,56 @@ def write_verified(path: str | os.PathLike, state: Any) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):   # disk full, read-only, quota: the previous file is untouched
+            raise _write_error(path, exc) from exc
         raise
     _fsync_dir(path.parent)
     return path
 
 
+def _write_error(path: Path, exc: OSError) -> CheckpointError:
+    """The user's path, the system's reason (not our temporary file's name) and what to do."""
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+        fix = "a part of the folder path is a file; choose another folder"
+    else:
+        fix = "choose a writable folder with free space; any previous checkpoint at that path is unchanged"
+    return CheckpointError(f"{path}: could not be written ({reason}): {fix}")
+
+
 def load_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, scheduler: Any = None,
-                    rng: bool = True, weights_only: bool = True) -> Any:
+                    rng: bool = True, weights_only: bool = True, ignore_scheduler: bool = False) -> Any:
     """Verify ``path`` and restore it into ``engine`` (and ``scheduler``); returns the saved extras.
 
-    The checksum is checked before anything is unpickled or restored, so a bad file changes nothing.
+    A bad or misfitting file changes nothing: the checksum is checked before anything is unpickled,
+    and everything the file holds is checked against the engine (model keys, shapes and dtypes, the
+    recipe, the loss scale, master weights, fp8 state, the optimizer's type, groups and state shapes,
+    the scheduler both ways, the RNG state: ``checkpoint_check``) before the first tensor is copied.
+    A file that holds scheduler state must be loaded with ``scheduler=`` (or ``ignore_scheduler=True``).
     ``weights_only=False`` lets extras hold arbitrary Python objects: only for files you trust.
     """
     path = Path(path)
     state = read_verified(path, engine.device, weights_only)
     try:
+        check_fits(state, engine, scheduler, ignore_scheduler=ignore_scheduler)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: does not fit this model/optimizer/recipe: {exc}") from None
+    # Everything below was checked to fit: each load accepts what it is given.
+    try:
         engine.model.load_state_dict(state["model"])
         engine.load_state_dict(state["mixprec"])
         engine.optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{path}: does not fit this model/optimizer/recipe: {exc}") from exc
-    if scheduler is not None:
-        if state["scheduler"] is None:
-            raise CheckpointError(f"{path}: holds no LR scheduler state, but a scheduler was passed")
-        scheduler.load_state_dict(state["scheduler"])
-    if rng and state["rng"] is not None:
-        _set_rng_state(state["rng"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if rng and state["rng"] is not None:
+            _set_rng_state(state["rng"])
+    except Exception as exc:   # a misfit the checks do not know yet: say the engine is half-restored
+        raise CheckpointError(f"{path}: restoring failed after every check passed ({exc}); the engine may "
+                              "be partly restored: rebuild it before training on, and report this as a "
+                              "mixprec bug") from exc
     return state["extra"]
 
 
@@ -108,6 +139,12 @@ def read_verified(path: Path, device: torch.device, weights_only: bool = True) -
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file: give the file written by "
+                              "save_checkpoint (an FSDP2 checkpoint folder loads with "
+                              "load_distributed_checkpoint)") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: could not be read ({exc.strerror or exc})") from None
     if not data.startswith(_MAGIC):
         raise CheckpointError(f"{path}: not a mixprec checkpoint (no mixprec header)")
     if len(data) < _HEADER:
@@ -124,8 +161,15 @@ def read_verified(path: Path, device: torch.device, weights_only: bool = True) -
     try:
         return torch.load(io.BytesIO(payload), map_location=device, weights_only=weights_only)
     except Exception as exc:   # the bytes are as written, so this is an unpickling restriction
-        raise CheckpointError(f"{path}: could not be unpickled ({exc}); if its extras hold custom "
-                              "objects and you trust the file, pass weights_only=False") from exc
+        # The hint first: torch's own message runs to a thousand characters with ANSI colour codes.
+        first = _ANSI.sub("", str(exc)).strip().splitlines()
+        detail = (first[0] if first else type(exc).__name__)[:200]
+        raise CheckpointError(f"{path}: holds Python objects that weights_only=True refuses to load; if "
+                              "you trust the file, pass load_checkpoint(..., weights_only=False) "
+                              f"(torch said: {detail})") from exc
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _rng_state() -> dict[str, Any]:

@@ -33,8 +33,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .casting import cast_model, keeps_fp32, low_precision_params
+from .checkpoint_check import check_engine_state
 from .devices import supports
 from .grad_sync import GradSync, GroupChoice, SyncKind, local_shard
+from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
@@ -42,6 +44,7 @@ from .master import MasterWeights
 from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
 from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
+from .usage_checks import UsageChecks
 
 __all__ = ["MixedPrecision", "StepResult", "StepObserver", "Fp8EmulationWarning"]
 
@@ -202,6 +205,9 @@ class MixedPrecision:
         self._overflow = None
         if trace_nonfinite:
             self._nonfinite = NonfiniteTracer(model)
+        # Misuse that would train on silently wrong (usage_checks): flags and counters, no host sync.
+        self._checks = UsageChecks(self.recipe, not isinstance(self.loss_scale, NoLossScale), self.device)
+        self._checks.traced = trace_nonfinite
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
         self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
         self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep
@@ -218,6 +224,7 @@ class MixedPrecision:
         tf32 = self.recipe.compute is Precision.TF32
         saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+        self._checks.entered_autocast = True
         try:
             with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
                                 enabled=self.recipe.autocast), \
@@ -242,6 +249,7 @@ class MixedPrecision:
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was it computed under torch.no_grad() or "
                              "from detached tensors?")
+        self._checks.on_backward()     # warns once if the forward ran outside mp.autocast()
         with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext():
             self.loss_scale.scale(loss).backward(**kwargs)
 
@@ -250,13 +258,17 @@ class MixedPrecision:
         """Unscale, clip, check for overflow, then step or skip, then update the scale.
 
         Forces one host sync on the generic path (to decide whether to call ``optimizer.step()``),
-        none on the fused path. The result's properties sync when read.
+        none on the fused path. The result's properties sync when read. Gradients that did not come
+        from ``mp.backward`` under a loss scale, or that a step already applied, are refused first
+        (RuntimeError, nothing changed; ``usage_checks``).
         """
+        model_grads = self._model_grads()
+        if not model_grads:
+            raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
+        self._checks.check_before_step(model_grads)   # stale or unscaled gradients: refused here
         if self.master is not None:
             self.master.pull_grads()
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
         # The scale this step's gradients carry (a copy: the compiled step updates it in place).
         scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
         for observer in self._step_observers.values():
@@ -264,17 +276,17 @@ class MixedPrecision:
         compiled = self._compiled_step is not None and self._fused_step_ok()
         if compiled:
             found_inf, grad_norm = self._compiled_step(grads)
-            stepped = True
+            stepped = None      # decided on the device: no host sync
         elif self._fused_step_ok():
             found_inf, grad_norm, divisor = self._unscale_and_clip(grads)
             self._fused_optimizer_step(divisor, found_inf.to(torch.float32))
-            stepped = True
+            stepped = None      # decided on the device: no host sync
         else:
             found_inf, grad_norm, divisor = self._unscale_and_clip(grads)
             stepped = self._generic_optimizer_step(grads, divisor, found_inf)
         for observer in self._step_observers.values():
             observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
-        if self.master is not None and (stepped or not self.master.keep):
+        if self.master is not None and (stepped is not False or not self.master.keep):
             self.master.push_weights()
         if self._nonfinite is not None:
             # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
@@ -282,8 +294,9 @@ class MixedPrecision:
             self._overflow = None
         if not compiled:     # the compiled step updates the scale inside its graph
             self.loss_scale.update(found_inf)
-        if not stepped and isinstance(self.loss_scale, DynamicLossScale):
+        if stepped is False and isinstance(self.loss_scale, DynamicLossScale):
             self.loss_scale.warn_if_at_floor()
+        self._checks.after_step(model_grads, found_inf, stepped)   # warns after 10 skips in a row
         return StepResult(found_inf, self.loss_scale.value.clone(), grad_norm)
 
     def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -342,6 +355,10 @@ class MixedPrecision:
             # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return stepped
+
+    def _model_grads(self) -> list[torch.Tensor]:
+        """The gradients backward left on the model's own parameters (not the fp32 copies)."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def _fused_step_ok(self) -> bool:
         """True when the optimizer can divide, clip and skip inside its own fused kernel."""
@@ -435,10 +452,14 @@ class MixedPrecision:
                 "master": self.master.state_dict() if self.master is not None else None,
                 "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None}
 
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights for an fp32 model: master copies where the recipe keeps them, every
+        other float upcast (exact). Under pure recipes ``model.state_dict()`` is 16-bit. See ``export``."""
+        return fp32_state_dict(self)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("recipe") != str(self.recipe):
-            raise ValueError(f"state was saved under recipe {state.get('recipe')!r} but this engine runs "
-                             f"{str(self.recipe)!r}: build MixedPrecision with the saved recipe to resume")
+        """Restore ``state_dict()``'s output; a misfit is a ValueError and changes nothing."""
+        check_engine_state(self, state)     # recipe, loss scale, masters, fp8: all checked first
         self.loss_scale.load_state_dict(state["loss_scale"])
         if self.master is not None:
             self.master.load_state_dict(state["master"])

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..checkpoint import (CheckpointError, _rng_state, _set_rng_state, load_checkpoint, read_verified,
                          save_checkpoint, write_verified)
+from ..checkpoint_check import check_engine_state
 from ..grad_sync import SyncKind
 from ..engine import MixedPrecision
 
@@ -75,14 +76,19 @@ def save_distributed_checkpoint(path: str | os.PathLike, engine: MixedPrecision,
 
 
 def load_distributed_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, scheduler: Any = None,
-                                weights_only: bool = True) -> Any:
-    """Restore what ``save_distributed_checkpoint`` wrote into ``engine`` on every rank; returns extras."""
+                                weights_only: bool = True, ignore_scheduler: bool = False) -> Any:
+    """Restore what ``save_distributed_checkpoint`` wrote into ``engine`` on every rank; returns extras.
+
+    As ``load_checkpoint``: the recipe, the engine's state and the scheduler (both ways) are checked
+    before anything is restored; ``ignore_scheduler=True`` drops saved scheduler state on purpose.
+    """
     kind = _kind(engine)
     path = Path(path)
     group = engine.grad_sync.group
     rank = dist.get_rank(group)
     if kind is SyncKind.REPLICATED:
-        saved = load_checkpoint(path, engine, scheduler=scheduler, rng=False, weights_only=weights_only)
+        saved = load_checkpoint(path, engine, scheduler=scheduler, rng=False, weights_only=weights_only,
+                                ignore_scheduler=ignore_scheduler)
         if not isinstance(saved, dict) or "rng_by_rank" not in saved:
             raise CheckpointError(f"{path}: written by save_checkpoint on one rank, not by "
                                   "save_distributed_checkpoint; load it with load_checkpoint")
@@ -99,6 +105,15 @@ def load_distributed_checkpoint(path: str | os.PathLike, engine: MixedPrecision,
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: not a finished FSDP2 checkpoint folder (no .metadata)")
     state = read_verified(own, engine.device, weights_only)
+    try:        # before dcp.load writes into the shards: a misfit changes nothing
+        check_engine_state(engine, state["mixprec"])
+        if scheduler is None and state["scheduler"] is not None and not ignore_scheduler:
+            raise ValueError("holds LR scheduler state but no scheduler was passed: pass scheduler=... "
+                             "to resume it, or ignore_scheduler=True to drop it on purpose")
+        if scheduler is not None and state["scheduler"] is None:
+            raise ValueError("holds no LR scheduler state, but a scheduler was passed")
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: does not fit this model/optimizer/recipe: {exc}") from None
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     sharded = {"model": model_sd, "optimizer": optim_sd}
     try:
@@ -109,8 +124,6 @@ def load_distributed_checkpoint(path: str | os.PathLike, engine: MixedPrecision,
     except (RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{path}: does not fit this model/optimizer/recipe: {exc}") from exc
     if scheduler is not None:
-        if state["scheduler"] is None:
-            raise CheckpointError(f"{path}: holds no LR scheduler state, but a scheduler was passed")
         scheduler.load_state_dict(state["scheduler"])
     if state["world_size"] == dist.get_world_size(group):
         _set_rng_state(state["rng"])

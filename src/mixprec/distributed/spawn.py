@@ -54,12 +54,14 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: st
 
 
 def run_processes(fn: Callable[..., Any], nproc: int, args: tuple = (), *, backend: str = "gloo",
-                  timeout_s: float | None = None) -> None:
+                  timeout_s: float | None = None, on_tick: Callable[[], None] | None = None) -> None:
     """Run ``fn(rank, nproc, *args)`` in ``nproc`` fresh processes of one group; wait for all of them.
 
     ``fn`` must be importable by name (a module-level function). Raises ``ValueError`` for a bad
     ``nproc`` or backend, ``TimeoutError`` past the deadline (all ranks are terminated first), and
-    torch's ``ProcessRaisedException`` (with the rank's traceback) if a rank fails.
+    torch's ``ProcessRaisedException`` (with the rank's traceback) if a rank fails. ``on_tick()`` is
+    called about once a second while the ranks run (to show their progress). Ctrl-C (or any error
+    here) terminates the ranks at once instead of leaving the interpreter waiting for them.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
@@ -71,14 +73,27 @@ def run_processes(fn: Callable[..., Any], nproc: int, args: tuple = (), *, backe
     context = torch_mp.start_processes(_entry, args=(fn, nproc, free_port(), backend, args),
                                        nprocs=nproc, join=False, start_method="spawn")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not context.join(timeout=1.0):
-        if deadline is not None and time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
-            for process in context.processes:
-                process.join(5)
-                if process.is_alive():
-                    process.kill()
-            raise TimeoutError(f"{nproc} processes did not finish within {timeout_s:g} s; terminated "
-                               "(a rank stuck in a collective whose peer failed or never arrived?)")
+    try:
+        while not context.join(timeout=1.0):
+            if on_tick is not None:
+                on_tick()
+            if deadline is not None and time.monotonic() > deadline:
+                _stop(context)
+                raise TimeoutError(f"{nproc} processes did not finish within {timeout_s:g} s; terminated "
+                                   "(a rank stuck in a collective whose peer failed or never arrived?)")
+    except BaseException:
+        _stop(context)       # Ctrl-C, a rank's failure, the deadline: no rank outlives the call
+        raise
+    if on_tick is not None:
+        on_tick()            # what the ranks reported last
+
+
+def _stop(context: Any) -> None:
+    """Terminate every live rank, give each 5 s, then kill what is left."""
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in context.processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()

@@ -123,12 +123,13 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
 def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch.device | str = "cpu",
           seed: int = 0, on_progress: Callable[[TrainProgress], None] | None = None,
           progress_every: int = 10, eval_every: int | None = None,
-          parallel: str | None = None) -> RunResult:
+          parallel: str | None = None, progress_s: float = 2.0) -> RunResult:
     """Train ``workload`` under ``recipe`` for ``steps`` steps from seed-fixed weights; evaluate; report.
 
     ``eval_every=K`` also measures the test metric after every K steps (the clock pauses meanwhile);
     the final evaluation always happens. Memory by role is measured on the first step (saved-tensor
-    hooks for activations, tensor sizes for the rest) and, on CUDA, the allocator's peak for the run.
+    hooks for activations) and after the first step not skipped (tensor sizes for the rest: optimizer
+    state exists only once a step was taken) and, on CUDA, the allocator's peak for the run.
     Raises ValueError if the recipe cannot run on ``device`` (MixedPrecision checks). Syncs with the
     host at the end, on every progress report and at each evaluation.
 
@@ -164,12 +165,12 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
     warmup = warmup_steps(steps)
     losses_t, scales_t, skipped_t = [], [], []
     eval_steps, eval_metrics = [], []
-    memory = MemoryBreakdown()
+    memory, memory_counted, activations = MemoryBreakdown(), False, 0
     paused_s = 0.0                                            # evaluation time, kept off the clock
     model.train()
     if on_progress is not None:
         on_progress(TrainProgress(0, steps, math.nan, math.nan))   # the run starts now
-    t_timed = time.perf_counter()
+    t_timed = t_reported = time.perf_counter()
     for step in range(steps):
         if step == warmup:
             _synchronize(device)
@@ -181,8 +182,13 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
                 loss = workload.loss_fn(forward(data.x_train[idx]), data.y_train[idx])
             mp.backward(loss)
         result = mp.step()
-        if step == 0:   # after the step: gradients, fp32 copies and optimizer state all exist now
-            memory = dataclasses.replace(state_bytes(mp), activations=meter.bytes)
+        if step == 0:
+            activations = meter.bytes
+        if not memory_counted and (step == steps - 1 or not result.skipped):   # syncs until then
+            # After the first step taken: gradients, fp32 copies and optimizer state all exist now
+            # (a skipped first step leaves AdamW's moments unallocated: counting then undercounts).
+            memory = dataclasses.replace(state_bytes(mp), activations=activations)
+            memory_counted = True
         mp.zero_grad()
         losses_t.append(loss.detach())
         scales_t.append(result.scale_t)
@@ -194,7 +200,11 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
             eval_steps.append(done)
             eval_metrics.append(_evaluate(workload, model, mp, data.x_test, data.y_test))
             paused_s += time.perf_counter() - t_pause if done > warmup else 0.0
-        if on_progress is not None and (done % progress_every == 0 or done == steps):
+        # Every progress_every steps, and at least every progress_s seconds: a GPU benchmark on a CPU
+        # takes seconds per step, and ten of them before the first report looked like a hang.
+        if on_progress is not None and (done % progress_every == 0 or done == steps
+                                        or time.perf_counter() - t_reported >= progress_s):
+            t_reported = time.perf_counter()
             loss_now = float(losses_t[-1])                    # syncs: the clock below is then honest
             elapsed = time.perf_counter() - t_timed - paused_s
             timed = done - warmup

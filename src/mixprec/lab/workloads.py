@@ -10,7 +10,7 @@ metrics compare across seeds and recipes. Three kinds, one lookup::
     ((1437, 64), (360, 64))
     >>> get_workload("resnet")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown workload 'resnet'; built-in: mlp, cnn, gpt, beam; benchmarks (...): resnet50, gpt2; ...
+    ValueError: unknown workload 'resnet' (did you mean 'resnet50'?); built-in: mlp, cnn, gpt, beam; benchmarks (...): resnet50, gpt2; ...
 
 - ``WORKLOADS``, real data that trains in seconds on a CPU: ``mlp`` (a 2-layer MLP, 64-256-10, on scikit-learn's
   8x8 digits), ``cnn`` (a small ResNet with BatchNorm on the same digits), ``gpt`` (a character-level
@@ -45,6 +45,7 @@ metrics compare across seeds and recipes. Three kinds, one lookup::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from collections.abc import Callable, Iterable
 
@@ -433,5 +434,7 @@ def get_workload(name: str) -> Workload:
         return WORKLOADS[key]
     if key in BENCHMARKS:
         return BENCHMARKS[key]
-    raise ValueError(f"unknown workload {name!r}; built-in: {', '.join(WORKLOADS)}; benchmarks (synthetic "
+    close = difflib.get_close_matches(key, [*WORKLOADS, *BENCHMARKS], n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    raise ValueError(f"unknown workload {name!r}{hint}; built-in: {', '.join(WORKLOADS)}; benchmarks (synthetic "
                      f"data, for GPUs): {', '.join(BENCHMARKS)}; or your own as package.module:function")

@@ -16,6 +16,7 @@ cover the usual cases; one string grammar spells any recipe and ``str(recipe)`` 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 from collections.abc import Iterable
 
@@ -130,13 +131,17 @@ class Recipe:
                  modules: Iterable[tuple[str, Precision]] = (), fp8: Fp8Config | None = None) -> None:
         """Build and check a recipe; every field is set once, here, in its canonical form.
 
-        ``loss_scale=None`` takes the compute precision's default: dynamic for fp16 (small gradients
-        would flush to zero without it), none otherwise. fp16 without scaling is spelled
+        ``loss_scale=None`` takes the default: dynamic where anything computes in fp16 (``compute`` or a
+        ``modules`` rule; small gradients would flush to zero without it), none otherwise. fp16 without scaling is spelled
         ``loss_scale=LossScaleConfig(kind="none")`` (``scale=none`` in the grammar). Op lists are kept
         sorted and without repeats, so equal edits compare equal and print alike.
         """
+        modules = tuple(modules)
         if loss_scale is None:
-            loss_scale = _FP16_DYNAMIC if compute is Precision.FP16 else _NO_SCALE
+            # fp16 anywhere (the compute, or a module set to fp16) needs a scale, or small gradients
+            # flush to zero below 2**-24; bf16 and fp32 share fp32's exponent range and need none.
+            fp16_anywhere = compute is Precision.FP16 or any(rule[-1] is Precision.FP16 for rule in modules)
+            loss_scale = _FP16_DYNAMIC if fp16_anywhere else _NO_SCALE
         ops = {}
         for key in _OP_KEYS:
             given = {"fp32_ops": fp32_ops, "low_ops": low_ops, "follow_ops": follow_ops}[key]
@@ -277,13 +282,16 @@ def parse_recipe(text: str) -> Recipe:
     if text in RECIPES:
         return RECIPES[text]
     if "=" not in text:
-        raise ValueError(f"unknown recipe {text!r}; named recipes: {', '.join(RECIPES)}; or spell one as "
-                         "params=..,compute=..,master=..,scale=..")
+        raise ValueError(f"unknown recipe {text!r}{_did_you_mean(text)}; named recipes: "
+                         f"{', '.join(RECIPES)}; or spell one as params=..,compute=..,master=..,scale=..")
     fields: dict[str, str] = {}
     items = split_top_level(text)
     base = RECIPES.get(items[0]) if items and "=" not in items[0] else None
     if base is not None:
         items = items[1:]
+    elif items and "=" not in items[0]:
+        raise ValueError(f"unknown recipe {items[0]!r}{_did_you_mean(items[0])} in {text!r}; named "
+                         f"recipes: {', '.join(RECIPES)}")
     for item in items:
         key, _, value = item.partition("=")
         key = key.strip()
@@ -293,7 +301,7 @@ def parse_recipe(text: str) -> Recipe:
             raise ValueError(f"recipe key {key!r} given twice in {text!r}")
         fields[key] = value.strip()
     if base is not None:
-        return _edit_named(base, fields, text)
+        return _edit_named(base, fields)
     param = Precision.parse(fields.get("params", "fp32"), key="params")
     compute = Precision.parse(fields.get("compute", param.value), key="compute")
     master_word = fields.get("master", "none")
@@ -311,8 +319,14 @@ def parse_recipe(text: str) -> Recipe:
     fp8 = None
     if fields.get("fp8", "none") != "none":
         fp8 = Fp8Config.parse(fields["fp8"])
-    return Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
-                  fp32_modules=modules, fp8=fp8, **_op_list_fields(fields))
+    recipe = Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
+                    fp32_modules=modules, fp8=fp8, **_op_list_fields(fields))
+    if (param.is_low and "master" not in fields and rounding is Rounding.NEAREST):
+        raise ValueError(f"params={param.value} without a master copy loses every update smaller than "
+                         f"half an ulp of the weight; add master=fp32 (fp32 copies take the step), "
+                         + ("rounding=stochastic, " if param is Precision.BF16 else "")
+                         + "or spell master=none to accept that")
+    return recipe
 
 
 def _op_list_fields(fields: dict[str, str]) -> dict:
@@ -331,13 +345,33 @@ def _op_list_fields(fields: dict[str, str]) -> dict:
     return out
 
 
-def _edit_named(base: Recipe, fields: dict[str, str], text: str) -> Recipe:
-    """A named recipe changed by op-list and module keys only (``bf16,fp32_ops=softmax``)."""
-    other = sorted(set(fields) - {*_OP_KEYS, "modules"})
-    if other:
-        raise ValueError(f"after a named recipe only {', '.join([*_OP_KEYS, 'modules'])} may follow, got "
-                         f"{', '.join(other)} in {text!r}; spell the recipe in full (params=..,compute=..)")
-    return dataclasses.replace(base, **_op_list_fields(fields))
+def _edit_named(base: Recipe, fields: dict[str, str]) -> Recipe:
+    """A named recipe with some keys changed: ``fp16,scale=static:1024``, ``bf16,fp32_ops=softmax``.
+
+    The base is spelled in full (``str(base)``) and the given keys replace its own. What the base only
+    had by default follows the edit: with ``params`` changed, a compute equal to the old params follows
+    it and a master copy stays only if there was one and the weights stay 16-bit (``bf16-pure,
+    params=fp16`` is fp16-pure; ``bf16,params=fp16`` must say its master); with ``params``, ``compute``
+    or ``modules`` changed, a scale that was the old compute's default is re-decided; a ``scale=none``
+    the base had by default never counts as the user accepting fp16 without a scale.
+    """
+    own = dict(item.partition("=")[::2] for item in split_top_level(str(base)))
+    if "params" in fields:
+        if base.compute is base.param:
+            own.pop("compute")
+        if base.master is None or Precision.parse(fields["params"], key="params") is Precision.FP32:
+            own.pop("master")
+    if {"params", "compute", "modules"} & set(fields):
+        if own.get("scale") == ("dynamic" if base.compute is Precision.FP16 else "none"):
+            own.pop("scale")
+    if own.get("scale") == "none":
+        own.pop("scale")        # bf16's scale=none is a default, not the user accepting fp16 without one
+    return parse_recipe(",".join(f"{k}={v}" for k, v in (own | fields).items()))
+
+
+def _did_you_mean(word: str) -> str:
+    close = difflib.get_close_matches(word.strip().lower(), list(RECIPES), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 def split_top_level(text: str) -> list[str]:

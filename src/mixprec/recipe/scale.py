@@ -27,6 +27,9 @@ class LossScaleKind(str, enum.Enum):
     DYNAMIC = "dynamic"
 
 
+_STATIC_MAX = 2.0**24
+
+
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
     """How the loss is scaled before backward.
@@ -84,7 +87,14 @@ class LossScaleConfig:
             _, sep, value = text.partition(":")
             if not sep:
                 raise ValueError("a static loss scale needs its value, e.g. scale=static:1024")
-            return cls(kind=LossScaleKind.STATIC, init=_parse_float(value, "static loss scale"))
+            init = _parse_float(value, "static loss scale")
+            if init > _STATIC_MAX:
+                # S multiplies every gradient: fp16 holds at most 65504, so with S above 2**24 any
+                # gradient above ~4e-3 becomes inf and every step is skipped. 2**24 is the dynamic ceiling.
+                raise ValueError(f"static loss scale {value.strip()} is above 2**24: fp16 gradients "
+                                 "overflow to inf and every step is skipped; use at most 2**24, or "
+                                 "scale=dynamic to let the scale find its level")
+            return cls(kind=LossScaleKind.STATIC, init=init)
         m = re.fullmatch(r"dynamic(?:\((.*)\))?", text)
         if not m:
             raise ValueError(f"unknown loss scale {text!r}; valid forms: none, static:VALUE, dynamic, "

@@ -12,7 +12,6 @@ trains it::
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -97,19 +96,24 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
 
 def run_compare(plan: ComparePlan,
                 on_progress: Callable[[int, TrainProgress], None] | None = None) -> CompareReport:
-    """Train ``plan``'s workload under each recipe in turn; ``on_progress(run_index, progress)``."""
+    """Train ``plan``'s workload under each recipe in turn; ``on_progress(run_index, progress)``.
+
+    Ctrl-C after at least one recipe finished returns those runs in a report with ``partial=True``.
+    """
     plan.workload.load_data()   # loaded (and cached) up front, so no run's wall_s includes it
     runs = []
     if plan.nproc > 1:
-        runs = train_on_ranks(plan)
-        for i, run in enumerate(runs if on_progress is not None else ()):
-            # The ranks report nothing while they train: each bar jumps to its end when all are done.
-            on_progress(i, TrainProgress(0, plan.steps, math.nan, math.nan))
-            on_progress(i, TrainProgress(plan.steps, plan.steps, run.losses[-1], run.samples_per_s))
-    for i, recipe in enumerate(plan.recipes if plan.nproc == 1 else ()):
-        callback = None if on_progress is None else (lambda p, i=i: on_progress(i, p))
-        runs.append(train(plan.workload, recipe, steps=plan.steps, device=plan.device, seed=plan.seed,
-                          on_progress=callback, eval_every=plan.eval_every))
+        runs = train_on_ranks(plan, on_progress)     # rank 0's progress, relayed about once a second
+    partial = False
+    try:
+        for i, recipe in enumerate(plan.recipes if plan.nproc == 1 else ()):
+            callback = None if on_progress is None else (lambda p, i=i: on_progress(i, p))
+            runs.append(train(plan.workload, recipe, steps=plan.steps, device=plan.device, seed=plan.seed,
+                              on_progress=callback, eval_every=plan.eval_every))
+    except KeyboardInterrupt:
+        if not runs:
+            raise
+        partial = True      # Ctrl-C: keep the recipes that finished, in a report marked partial
     return CompareReport(
         workload=plan.workload.name, metric=plan.workload.metric_name,
         device=str(plan.device) + (f" x{plan.nproc} ({plan.parallel})" if plan.nproc > 1 else ""),
@@ -117,5 +121,5 @@ def run_compare(plan: ComparePlan,
         torch_version=torch.__version__, mixprec_version=__version__, steps=plan.steps,
         batch_size=plan.workload.batch_size, seed=plan.seed, runs=tuple(runs),
         tokens_per_sample=plan.workload.tokens_per_sample,
-        higher_is_better=plan.workload.higher_is_better, synthetic=plan.workload.synthetic)
+        higher_is_better=plan.workload.higher_is_better, synthetic=plan.workload.synthetic, partial=partial)
 

@@ -25,6 +25,7 @@ from .render import render_doctor_table, render_findings
 from .report import DoctorReport
 from ..trainer import TrainProgress
 from ..workloads import BENCHMARKS, WORKLOADS
+from ..console import stdout_console
 
 __all__ = ["add_parser", "handle"]
 
@@ -97,8 +98,7 @@ def _write_and_print(args: argparse.Namespace, report: DoctorReport) -> int:
     write_json(report.to_json(), args.json, args.out, "doctor.json")
     if args.out is not None:
         _write_page(report, args.out / "doctor.html")
-    # Piped or redirected, rich would cut the table to 80 columns; long module names need more.
-    out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    out = stdout_console()      # full values in a pipe (lab/console.py)
     out.print(render_doctor_table(report))
     if report.fp8_swap is not None:       # fp8 recipes: the swap decisions, then each fp8 tensor
         for line in fp8_swap_lines(report.fp8_swap):

@@ -16,7 +16,9 @@ and headroom are those of the last cast.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
 from rich import box
 from rich.table import Table
 
@@ -24,8 +26,9 @@ from ...fp8.stats import Fp8TensorStats
 from ...fp8.swap import Fp8SwapReport
 from .render import percent_text
 from .report import DoctorReport
+from ...recipe import RECIPES, Fp8Config, get_recipe
 
-__all__ = ["fp8_swap_lines", "fp8_rows", "render_fp8_table", "render_fp8_findings"]
+__all__ = ["fp8_swap_lines", "fp8_rows", "render_fp8_table", "render_fp8_findings", "suggest"]
 
 
 # ----------------------------------------------------------------------------------- text
@@ -77,27 +80,54 @@ def render_fp8_findings(report: DoctorReport) -> list[str]:
         n, t = sat
         if delayed:
             fix = ("delayed scaling took the scale from earlier amaxes and this tensor outgrew them: give "
-                   "it a margin (fp8=delayed(margin=1)), a longer history (fp8=delayed(history=32)), or "
-                   f"current scaling (recipe fp8), or keep the layer out of fp8 (fp8=delayed(skip={n}))")
+                   f"it a margin ({suggest(report, margin=1)}), a longer history "
+                   f"({suggest(report, history=32)}), or current scaling (--recipe fp8), or keep the layer "
+                   f"out of fp8 ({suggest(report, skip=n)})")
         else:
             # Current scaling maps this cast's own amax to F.max, so saturation means a margin < 0 or
             # a NaN/inf amax; values that round down to F.max are not counted (fp8/linear.py).
-            fix = f"add a margin (fp8=current(margin=1)) or keep the layer out of fp8 (fp8=current(skip={n}))"
+            fix = (f"add a margin ({suggest(report, margin=1, delayed=False)}) or keep the layer out of "
+                   f"fp8 ({suggest(report, skip=n, delayed=False)})")
         out.append(f"fp8 saturation: layer {n!r}, {percent_text(t.saturated_fraction)} of its {t.role} values "
                    f"exceeded {t.format}'s max (last headroom {_bits(t.headroom_bits)}); {fix}")
     flush = max(rows, key=lambda r: r[1].flushed_fraction or 0.0)
     if flush[1].flushed_fraction:
         n, t = flush
-        fix = ("a stale large amax in the history lowers the scale: try amax=recent or current scaling "
-               "(recipe fp8)" if delayed and t.history_amax is not None and t.history_amax > t.amax else
+        fix = (f"a stale large amax in the history lowers the scale: try {suggest(report, amax='recent')} "
+               "or current scaling (--recipe fp8)"
+               if delayed and t.history_amax is not None and t.history_amax > t.amax else
                "the scale already puts its amax near the format's max, so these values lie more than "
                "the format's range below it" + ("; a margin would flush more" if not delayed else ""))
         out.append(f"fp8 underflow: layer {n!r}, {percent_text(t.flushed_fraction)} of its {t.role} values "
                    f"flushed to zero in {t.format} (|x| <= {t.flush_below:.3g} at the last scale); {fix}; "
-                   f"if that loses accuracy, keep the layer out of fp8 (skip={n} in the fp8 options)")
+                   f"if that loses accuracy, keep the layer out of fp8 "
+                   f"({suggest(report, skip=n, delayed=delayed)})")
     if not out:
         low = min(rows, key=lambda r: r[1].headroom_bits)
         out.append(f"fp8: no value of the {len(report.fp8_layers)} fp8 layer(s) flushed or saturated over "
                    f"{report.steps} steps (least headroom: {low[0]!r} {low[1].role}, "
                    f"{_bits(low[1].headroom_bits)})")
     return out
+
+
+def suggest(report: DoctorReport, *, delayed: bool | None = None, **changes: object) -> str:
+    """``--recipe '...'``: the report's recipe with its fp8 options changed, spelled so it parses back.
+
+    A bare ``fp8=delayed(margin=1)`` would parse as fp32 compute with fp8 (the named recipes run bf16
+    around their fp8 layers), so the advice keeps everything else of the recipe that ran: the named
+    recipe it came from plus the edited ``fp8=``, or the full string.
+    """
+    recipe = get_recipe(report.recipe)
+    fp8 = recipe.fp8 or Fp8Config()
+    if delayed is not None and delayed != fp8.delayed:   # the other scaling: its own defaults
+        fp8 = dataclasses.replace(Fp8Config.parse("delayed" if delayed else "current"), margin=fp8.margin,
+                                  pow2=fp8.pow2, skip=fp8.skip, force=fp8.force, backend=fp8.backend)
+    if "skip" in changes:
+        changes["skip"] = tuple(dict.fromkeys((*fp8.skip, changes["skip"])))
+    edited = dataclasses.replace(recipe, fp8=dataclasses.replace(fp8, **changes))
+    # Shortest spelling: a named recipe (one with the same scaling first) and its new fp8.
+    named = sorted(RECIPES.items(), key=lambda kv: kv[1].fp8 is None or kv[1].fp8.delayed != fp8.delayed)
+    for name, base in named:
+        if base.fp8 is not None and dataclasses.replace(base, fp8=edited.fp8) == edited:
+            return f"--recipe '{name},fp8={edited.fp8}'"
+    return f"--recipe '{edited}'"

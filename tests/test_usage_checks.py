@@ -1,0 +1,144 @@
+"""Training-loop mistakes that used to train on silently wrong are refused or warned about, once."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixprec import MixedPrecision
+from mixprec.usage_checks import SKIP_WARNING_AFTER
+
+from conftest import OPTIMIZERS, batches, tiny_model
+
+
+def engine(recipe="fp16", opt="adamw-foreach", **kwargs):
+    model = tiny_model()
+    return MixedPrecision(model, OPTIMIZERS[opt](model.parameters()), recipe, **kwargs)
+
+
+def forward(mp, x, y, autocast=True):
+    if autocast:
+        with mp.autocast():
+            return F.cross_entropy(mp.model(x), y)
+    return F.cross_entropy(mp.model(x), y)
+
+
+def weights(mp):
+    return [p.detach().clone() for p in mp.model.parameters()]
+
+
+@pytest.mark.parametrize("recipe", ["fp16", "fp16-pure"])
+def test_loss_backward_under_a_loss_scale_is_refused_before_anything_changes(recipe):
+    mp = engine(recipe)
+    x, y = batches(1)[0]
+    forward(mp, x, y).backward()              # the mistake: no loss scale applied
+    before, scale = weights(mp), mp.scale
+    with pytest.raises(RuntimeError, match=r"did not come from mp.backward\(loss\).*S times too small"):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(mp))) and mp.scale == scale
+    assert mp.steps == 0
+
+
+@pytest.mark.parametrize("opt", ["adamw-foreach", "adamw-fused", "sgd-momentum"])
+@pytest.mark.parametrize("recipe", ["fp16", "bf16", "bf16-pure", "fp32"])
+def test_a_second_step_without_a_new_backward_is_refused(recipe, opt):
+    mp = engine(recipe, opt)
+    x, y = batches(1)[0]
+    mp.backward(forward(mp, x, y))
+    mp.step()
+    before = weights(mp)
+    with pytest.raises(RuntimeError, match="without a new backward: these gradients were already applied"):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(mp))) and mp.steps == 1
+
+
+def test_loss_backward_without_a_loss_scale_is_fine_and_equals_mp_backward():
+    # Under bf16 (S = 1) loss.backward() is exactly mp.backward(): both runs end bit for bit alike.
+    runs = []
+    for via_engine in (True, False):
+        mp = engine("bf16")
+        for x, y in batches(3):
+            loss = forward(mp, x, y)
+            mp.backward(loss) if via_engine else loss.backward()
+            mp.step()
+            mp.zero_grad(set_to_none=False)    # the same grad tensors are reused: versions decide
+        runs.append(weights(mp))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_gradient_accumulation_and_the_normal_loop_do_not_warn():
+    mp = engine("fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i, (x, y) in enumerate(batches(6)):
+            mp.backward(forward(mp, x, y))
+            if i % 2 == 1:
+                mp.step()
+                mp.zero_grad()
+
+
+@pytest.mark.parametrize("recipe", ["fp16", "bf16", "fp16-pure"])
+def test_forgetting_autocast_warns_once(recipe):
+    mp = engine(recipe)
+    said = "ran without autocast's op lists" if "pure" in recipe else "ran in fp32"
+    with pytest.warns(UserWarning, match=r"mp.autocast\(\) was not entered.*" + said) as record:
+        for x, y in batches(3):
+            mp.backward(forward(mp, x, y, autocast=False))
+            mp.step()
+            mp.zero_grad()
+    assert sum("mp.autocast()" in str(w.message) for w in record) == 1
+
+
+def test_fp32_without_autocast_does_not_warn():
+    mp = engine("fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x, y = batches(1)[0]
+        mp.backward(forward(mp, x, y, autocast=False))
+        mp.step()
+
+
+def nan_loss_run(mp, steps):
+    x, y = batches(1)[0]
+    results = []
+    for _ in range(steps):
+        loss = forward(mp, x, y) * float("nan")
+        mp.backward(loss)
+        results.append(mp.step().skipped)
+        mp.zero_grad()
+    return results
+
+
+@pytest.mark.parametrize("recipe, opt", [("bf16", "adamw-foreach"), ("fp32", "adamw-fused"),
+                                         ("params=fp32,compute=fp16,scale=static:1024", "sgd-momentum"),
+                                         ("bf16-pure", "adamw-fused")])
+def test_every_step_skipped_warns_once_after_n_in_a_row(recipe, opt):
+    mp = engine(recipe, opt)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        skipped = nan_loss_run(mp, SKIP_WARNING_AFTER - 1)
+        assert all(skipped) and not [w for w in record if "in a row" in str(w.message)]
+        nan_loss_run(mp, 5)
+    hits = [w for w in record if "in a row were skipped" in str(w.message)]
+    assert len(hits) == 1 and issubclass(hits[0].category, RuntimeWarning)
+    assert f"{SKIP_WARNING_AFTER} steps in a row" in str(hits[0].message)
+    assert "trace_nonfinite=True" in str(hits[0].message)
+
+
+def test_a_clean_step_resets_the_count():
+    mp = engine("bf16", "adamw-fused")
+    x, y = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            nan_loss_run(mp, SKIP_WARNING_AFTER - 1)
+            mp.backward(forward(mp, x, y))
+            assert not mp.step().skipped
+            mp.zero_grad()
+
+
+def test_the_skip_warning_points_at_last_overflow_when_tracing():
+    mp = engine("bf16", trace_nonfinite=True)
+    with pytest.warns(RuntimeWarning, match="mp.last_overflow names the module and op"):
+        nan_loss_run(mp, SKIP_WARNING_AFTER)
