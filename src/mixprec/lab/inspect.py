@@ -35,8 +35,11 @@ JSON schema, version 1 (strict JSON: non-finite floats as "NaN"/"Infinity" strin
                                shapes [[int]], dims [[name str, size int, role str]], flops int
     kernels            list    CUDA only (else empty): per recipe, 3 profiled real steps:
       recipe           str
-      tensor_core_share float  fraction of GPU kernel time in tensor-core kernels (by kernel name)
-      kernels          list    name str, calls int, time_us float, tensor_cores bool; longest first
+      tensor_core_share float  fraction of GPU kernel time in tensor-core kernels (by what each kernel is)
+      unknown_share    float  fraction in matmul kernels whose kind cannot be told (tensor_core_share is a
+                               lower bound by this much)
+      kernels          list    name str, calls int, time_us float, tensor_cores bool or null (unknown);
+                               longest first
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ class InspectReport:
             "fixes": {str(k): [dataclasses.asdict(f) for f in tc.fixes(k)] for k in (8, 16)},
             "matmuls": [dataclasses.asdict(op) for op in tc.ops],
             "kernels": [{"recipe": recipe, "tensor_core_share": prof.tensor_core_share,
-                         "kernels": [dataclasses.asdict(k) for k in prof.kernels]}
+                         "unknown_share": prof.unknown_share, "kernels": [dataclasses.asdict(k) for k in prof.kernels]}
                         for recipe, prof in self.kernels],
         }
         return dumps(data, indent=indent)
@@ -281,8 +284,9 @@ def render_notes(report: InspectReport) -> list[str]:
     lines += [f"{names[m.recipe]}: {m.recipe}" for m in report.memory if names[m.recipe] != m.label]
     for recipe, prof in report.kernels:
         top = next((k for k in prof.kernels if k.tensor_cores), None)
+        unknown = f", {prof.unknown_share:.0%} in matmul kernels of unknown kind" if prof.unknown_share else ""
         lines.append(f"{names.get(recipe, recipe)} on {report.device}: {prof.tensor_core_share:.0%} of GPU "
-                     f"kernel time in tensor-core kernels" + (f" (longest: {top.name[:60]})" if top else ""))
+                     f"kernel time in tensor-core kernels{unknown}" + (f" (longest: {top.name[:60]})" if top else ""))
     lines += [f"note: {n}" for n in report.notes]
     lines.append("weights + grads + master + optim = B/par x parameters; activations: tensors "
                  "autograd saves for the backward; attention is traced on its math path (a fused GPU "
