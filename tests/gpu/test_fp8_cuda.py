@@ -111,7 +111,7 @@ def test_cuda_fp8_linear_against_bf16(config):
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8-delayed"])
-def test_cuda_fp8_step_runs_without_host_sync(recipe):
+def test_cuda_fp8_step_runs_without_host_sync(recipe, no_sync):
     fp8_gpu()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.GELU(), nn.Linear(512, 256),
@@ -124,17 +124,13 @@ def test_cuda_fp8_step_runs_without_host_sync(recipe):
             mp.backward(F.cross_entropy(model(x), y))
         mp.step()
         mp.zero_grad()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_sync():
         for _ in range(3):
             with mp.autocast():
                 loss = F.cross_entropy(model(x), y)
             mp.backward(loss)
             mp.step()
             mp.zero_grad()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)
 
 
