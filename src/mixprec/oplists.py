@@ -236,11 +236,18 @@ def _probe(qualified: str, device: str, low: torch.dtype) -> OpPolicy | None:
             return None
         return [t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
-    seen, out = call((torch.float32,), True), call((torch.float32,), False)
-    if seen and (low in seen[1] or low in seen[0]) or (out and all(d == low for d in out)):
+    # The whole op runs (second call of each pair) only where its first aten call did not tell.
+    seen = call((torch.float32,), True)
+    if seen and (low in seen[1] or low in seen[0]):
         return OpPolicy.LOW
-    seen, out = call((low,), True), call((low,), False)
-    if seen and (torch.float32 in seen[0] or torch.float32 in seen[1]) or (out and torch.float32 in out):
+    out = call((torch.float32,), False)
+    if out and all(d == low for d in out):
+        return OpPolicy.LOW
+    seen = call((low,), True)
+    if seen and (torch.float32 in seen[0] or torch.float32 in seen[1]):
+        return OpPolicy.FP32
+    out = call((low,), False)
+    if out and torch.float32 in out:
         return OpPolicy.FP32
     seen = call((torch.float32, low), True)
     if seen and low not in seen[1]:
