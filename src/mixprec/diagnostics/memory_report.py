@@ -116,9 +116,10 @@ def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, l
     return meter.bytes
 
 
-def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> tuple[MemoryBreakdown, int]:
+def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn
+             ) -> tuple[MemoryBreakdown, tuple[int, int]]:
     """State and saved activations of one fake step, with ``peak`` the forward/backward's peak without
-    optimizer state; and the bytes of the batch."""
+    optimizer state; and ``(bytes of the batch, bytes of the model's gradients when step() starts)``."""
     inputs, targets = _split(batch, loss_fn)
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes():
@@ -126,9 +127,11 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> tuple[Mem
             fake_in, fake_targets = meta_like((inputs, targets), "cpu")   # one memo: aliases stay
             # A stand-in optimizer (plain SGD makes no state): the engine needs one to wire masters.
             mp = MixedPrecision(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), recipe)
-            batch_bytes = storage_bytes(t for t in tree_leaves((fake_in, fake_targets)) if isinstance(t, torch.Tensor))
+            batch_bytes = storage_bytes(t for t in tree_leaves((fake_in, fake_targets))
+                                        if isinstance(t, torch.Tensor))
             before = state_bytes(mp).total + batch_bytes        # alive before the step: weights, masters, batch
-            activations, peak = fake_step_peak(lambda: _one_step(mp, shadow, fake_in, fake_targets, loss_fn), before)
+            activations, peak = fake_step_peak(
+                lambda: _one_step(mp, shadow, fake_in, fake_targets, loss_fn), before)
             grads_at_step = state_bytes(mp).grads     # the model's gradients, as step() finds them
             if mp.master is not None and mp.master.keep:
                 mp.master.pull_grads()    # the fp32 copies' gradients exist from step() on

@@ -5,8 +5,9 @@ accumulation and rounds once to ``out_dtype``; ``a`` and ``b`` hold fp8 values (
 ``inv_*`` are the reciprocal scales that undo them. Two backends, one meaning:
 
 - ``scaled_mm``: torch's ``_scaled_mm`` on float8 tensors (CUDA compute capability 8.9+, and recent
-  CPU builds), always with ``use_fast_accum=False``. On CUDA it wants ``a`` row-major, ``b`` column-major and the inner and output
-  dimensions multiples of 16; the inner dimension is zero-padded when it is not (zeros add nothing).
+  CPU builds), always with ``use_fast_accum=False``. On CUDA it wants ``a`` row-major, ``b``
+  column-major and the inner and output dimensions multiples of 16; the inner dimension is
+  zero-padded when it is not (zeros add nothing).
 - ``emulate``: the operands as fp32 tensors holding fp8 values (``formats.quantize``), an fp32 matmul,
   the same two scale multiplies, one rounding to ``out_dtype``. On a CPU it agrees with ``scaled_mm`` to
   within the output dtype's rounding (fp32 sums in another order differ in the last bits); on Hopper

@@ -296,6 +296,6 @@ def render_notes(report: InspectReport) -> list[str]:
     lines += [f"note: {n}" for n in report.notes]
     lines.append("weights + grads + master + optim = B/par x parameters; activations: tensors "
                  "autograd saves for the backward; peak: the step's worst moment, with what is never "
-                 "saved (logits and their gradient, casts, optimizer temporaries); attention is traced on its math path (a fused GPU "
-                 "kernel runs the same matmul shapes)")
+                 "saved (logits and their gradient, casts, optimizer temporaries); attention is traced "
+                 "on its math path (a fused GPU kernel runs the same matmul shapes)")
     return lines
