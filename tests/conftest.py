@@ -1,5 +1,7 @@
 """Shared fixtures: tiny models that exercise every part of a recipe (a norm kept fp32, two linears)."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -28,3 +30,26 @@ def batches(n: int, seed: int = 1, batch: int = 32, d_in: int = 8, d_out: int = 
 @pytest.fixture
 def model():
     return tiny_model()
+
+
+# ----------------------------------------------------------------------- CUDA tests (tests/gpu)
+@contextlib.contextmanager
+def _sync_is_an_error():
+    torch.cuda.synchronize()             # work queued before the region may not count against it
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.fixture
+def no_sync():
+    """``with no_sync(): ...`` raises RuntimeError at the first call that makes the host wait for the GPU.
+
+    Make every CUDA tensor the region needs *before* entering it: ``torch.tensor(1.0, device="cuda")``
+    copies a host value to the device, and that copy is itself a sync (the H100 run of 2026-11-22
+    failed two doctor tests on exactly that, not on the code under test). ``torch.ones((), device=
+    "cuda")`` is a fill kernel and is fine. Warm up first: lazy CUDA setup may sync once.
+    """
+    return _sync_is_an_error

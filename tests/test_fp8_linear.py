@@ -201,3 +201,27 @@ def test_delayed_scales_of_a_layer_follow_the_hand_computed_walk():
         scales.append(layer.input_scale.item())
     assert scales == [224.0, 224.0, 56.0, 56.0, 56.0]
     assert layer.input_history.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_no_fp8_matmul_asks_for_fast_accumulation(monkeypatch):
+    # Fast accumulation on Hopper keeps partial sums in the narrow fp8 accumulator for the whole K:
+    # 21x the error at K=8192 (profiles.txt, H100). The gradient GEMMs (K = the batch for the weight
+    # gradient) must never get it. Intercept torch._scaled_mm and look at every call of a step.
+    calls = []
+
+    def recording(a, b, **kwargs):
+        calls.append((a.dtype, b.dtype, kwargs))
+        # The emulation's product, so the test runs where the CPU build has no fp8 matmul.
+        return (a.float() @ b.float() * kwargs["scale_a"] * kwargs["scale_b"]).to(kwargs["out_dtype"])
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(32, 16), Fp8Config(), "scaled_mm")
+    x = torch.randn(8, 32, requires_grad=True)
+    layer(x).backward(torch.randn(8, 16))
+    # forward (e4m3 x e4m3), input gradient and weight gradient (e5m2 x e4m3)
+    assert [(a, b) for a, b, _ in calls] == [(torch.float8_e4m3fn, torch.float8_e4m3fn),
+                                             (torch.float8_e5m2, torch.float8_e4m3fn),
+                                             (torch.float8_e5m2, torch.float8_e4m3fn)]
+    assert all(kwargs.get("use_fast_accum", "missing") is False for _, _, kwargs in calls), calls
+    assert x.grad is not None and layer.weight.grad is not None

@@ -1,5 +1,7 @@
 """Memory accounting against numbers worked out by hand (a 784-8192-10 MLP) and against the tensors."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,7 +102,8 @@ def test_predicted_memory_equals_measured_on_cpu(recipe):
     model = tiny_model(d_in=8, hidden=32, d_out=4)
     batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
     report = memory_report(model, recipe, batch, optimizer=adam, loss_fn=F.cross_entropy, measure=True)
-    assert report.measured == report.predicted
+    # peak: predicted always (test_memory_peak.py checks it), measured only by the CUDA allocator.
+    assert report.measured == dataclasses.replace(report.predicted, peak=None)
     assert report.predicted.activations > 0 and report.predicted.optimizer > 0
 
 
@@ -125,7 +128,7 @@ def test_a_meta_model_is_predicted_like_the_real_one():
     loss = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
     a = memory_report(real, "bf16", (ids, ids), optimizer=adam, loss_fn=loss, measure=True)
     b = memory_report(meta, "bf16", (ids, ids), optimizer=adam, loss_fn=loss)
-    assert a.predicted == b.predicted == a.measured
+    assert a.predicted == b.predicted and dataclasses.replace(a.predicted, peak=None) == a.measured
     with pytest.raises(ValueError, match="meta device"):
         memory_report(meta, "bf16", (ids, ids), loss_fn=loss, measure=True)
 

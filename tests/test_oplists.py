@@ -140,3 +140,24 @@ def test_compare_words_keep_edits_with_the_named_recipe_before_them():
     from mixprec.lab.cli_args import recipe_words as _recipe_words
     assert _recipe_words(["fp32,bf16,fp32_ops=softmax,modules=lm_head:fp32", "bf16,low_ops=bmm,fp16"]) == [
         "fp32", "bf16,fp32_ops=softmax,modules=lm_head:fp32", "bf16,low_ops=bmm", "fp16"]
+
+
+def test_cuda_lists_are_read_without_a_gpu_from_what_the_op_returns():
+    # torch's autocast_mode.cpp, CUDA: softmax, log_softmax, sum, prod, cumsum, cumprod and
+    # linalg_vector_norm are fp32 by a dtype=float32 argument, not by casting their inputs.
+    lists = autocast_op_lists("cuda", torch.float16)
+    set_dtype = {"softmax", "log_softmax", "sum", "prod", "cumsum", "cumprod", "linalg_vector_norm"}
+    assert set_dtype <= lists.fp32
+    assert {"layer_norm", "exp", "pow", "nll_loss", "mse_loss", "upsample_nearest2d"} <= lists.fp32
+    assert {"mm", "bmm", "linear", "matmul", "conv2d", "addmm", "baddbmm"} <= lists.low
+    assert {"index_put", "addcmul", "scatter_add", "atan2"} <= lists.follow
+    assert lists.policy("cat") is OpPolicy.FOLLOW             # not registered on CUDA: follows its inputs
+    assert not (lists.low & lists.fp32) and not (lists.fp32 & lists.follow)
+    assert default_policy("softmax", "cuda", torch.float16) is OpPolicy.FP32
+    # An edit that only restates CUDA's own policy installs nothing.
+    assert op_list_mode({"softmax": OpPolicy.FP32, "sum": OpPolicy.FP32}, "cuda", torch.float16) is None
+
+
+def test_op_lists_of_a_device_torch_cannot_represent_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot read autocast's op lists for device type 'nosuchdevice'"):
+        autocast_op_lists("nosuchdevice")

@@ -1,13 +1,18 @@
 """Tensor-core eligibility: FLOPs worked out by hand, misaligned dims, padding advice, meta-only tracing."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.diagnostics.tensor_cores import (alignment, is_tensor_core_kernel, padded_size, profile_kernels,
-                                              trace_matmuls)
+from mixprec.diagnostics.kernel_kinds import classify_kernel
+from mixprec.diagnostics.tensor_cores import (_kernel_profile, alignment, is_tensor_core_kernel, padded_size,
+                                              profile_kernels, trace_matmuls)
 from mixprec.lab.models import GPT, GPTConfig
+
+from kernel_names_h100 import KERNELS
 
 
 def test_linear_forward_and_both_backward_matmuls_have_hand_computed_flops():
@@ -117,9 +122,58 @@ def test_kernel_names():
     assert is_tensor_core_kernel("ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_tn")
     assert is_tensor_core_kernel("volta_h884gemm_64x64_ldg8_nn")
     assert is_tensor_core_kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")
+    assert is_tensor_core_kernel("sm86_xmma_fprop_implicit_gemm_indexed_f32f32_tf32f32_f32_nhwckrsc_nhwc")
     assert is_tensor_core_kernel("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT")
     assert not is_tensor_core_kernel("ampere_sgemm_128x64_tn")
+    assert not is_tensor_core_kernel("cutlass_80_simt_sgemm_128x32_8x5_nn_align1")
     assert not is_tensor_core_kernel("void at::native::vectorized_elementwise_kernel<4, float>")
+
+
+@pytest.mark.parametrize("name, dtypes, expected", KERNELS, ids=[k[0][:48] for k in KERNELS])
+def test_kernels_recorded_on_the_h100_are_classified_by_what_they_are(name, dtypes, expected):
+    assert classify_kernel(name, dtypes).tensor_cores is expected
+    assert classify_kernel(name).tensor_cores is expected      # the name alone says it, too
+
+
+def test_unclear_or_contradicted_kernels_are_unknown_not_guessed():
+    # An all-fp32 nvjet kernel may be TF32 (tensor cores) or not: the name does not say.
+    assert classify_kernel("nvjet_sm90_sss_128x64_64x8_1x1_v_bz_NNT", ["float"]).tensor_cores is None
+    # The name says fp16 operands, the op had fp32 only: one of the two is not what it seems.
+    c = classify_kernel("nvjet_sm90_hsh_24x64_64x16_4x2_h_bz_bias_TNN", ["float", "float"])
+    assert c.tensor_cores is None and "16bit" in c.reason and "fp32" in c.reason
+    # Inductor's matmul templates: tl.dot on fp16 is MMA; on fp32 it depends on the TF32 setting.
+    assert classify_kernel("triton_tem_fused_mm_0", ["c10::Half", "c10::Half"]).tensor_cores is True
+    assert classify_kernel("triton_tem_fused_mm_0", ["float", "float"]).tensor_cores is None
+    # Memory-efficient attention: MMA for fp16; fp32 runs 3xTF32 or SIMT depending on the build.
+    assert classify_kernel("fmha_cutlassF_f16_aligned_64x64_rf_sm80").tensor_cores is True
+    assert classify_kernel("fmha_cutlassF_f32_aligned_64x64_rf_sm80").tensor_cores is None
+
+
+def _event(name, device, dtypes=(), kernels=(), annotation=False, us=0.0):
+    return SimpleNamespace(name=name, device_type=device, input_dtypes=list(dtypes), device_time_total=us,
+                           kernels=[SimpleNamespace(name=k, duration=us) for k in kernels],
+                           is_user_annotation=annotation)
+
+
+def test_kernel_profile_links_kernels_to_their_ops_dtypes_and_skips_annotations():
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    ffma = "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize32x32x8_stage3_warpsize1x2x1_ffma_aligna4"
+    sss = "nvjet_sm90_sss_64x64_64x8_1x1_v_bz_NNT"
+    hsh = "nvjet_sm90_hsh_64x24_64x16_2x4_h_bz_NNT"
+    events = [
+        _event("aten::mm", cpu, ["float", "float"], kernels=[ffma, sss]),
+        _event("aten::mm", cpu, ["c10::Half", "c10::Half"], kernels=[hsh]),
+        _event(ffma, cuda, us=30.0), _event(ffma, cuda, us=10.0), _event(sss, cuda, us=20.0),
+        _event(hsh, cuda, us=40.0),
+        # A span over the optimizer's kernels, as the profiler lists it among device events: 320 us
+        # that would count twice.
+        _event("Optimizer.step#AdamW.step", cuda, us=320.0, annotation=True),
+        _event("Optimizer.step#AdamW.step", cuda, us=320.0),      # a torch without is_user_annotation
+    ]
+    prof = _kernel_profile(events)
+    assert [(k.name, k.calls, k.time_us, k.tensor_cores) for k in prof.kernels] == [
+        (ffma, 2, 40.0, False), (hsh, 1, 40.0, True), (sss, 1, 20.0, None)]
+    assert prof.tensor_core_share == 0.4 and prof.unknown_share == 0.2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error; the GPU path is tests/gpu")

@@ -7,18 +7,23 @@ import):
 
 1. *Which* ops autocast handles: ``torch._C._dispatch_get_registrations_for_dispatch_key`` lists the
    ops with a kernel for that key (the CPU build lists the CUDA registrations too).
-2. *What* it does to each: we call the op on 2x2 tensors under ``torch.autocast`` with a
+2. *What* it does to each: we call the op on 2x2 *fake* tensors of that device (``FakeTensorMode``:
+   dtypes and shapes, no data; no GPU needed for the CUDA lists) with autocast on and a
    ``TorchDispatchMode`` underneath. Autocast's dispatch key sits above the Python one, so the mode sees
-   the op's arguments right after autocast's casts, records their dtypes and stops the call before any
-   kernel runs. fp32 inputs cast to 16 bits: *low*. 16-bit inputs cast (or a ``dtype=`` set) to fp32:
-   *fp32*. Mixed inputs widened to fp32 (autocast's "promote" list, e.g. ``cat``, ``stack``): *follow*.
-   Every op without an autocast kernel also follows its inputs.
+   the op's arguments right after autocast's casts and records their dtypes; a second call looks at the
+   dtype the op returns. fp32 inputs cast to 16 bits, or a 16-bit result: *low*. 16-bit inputs cast
+   (or a ``dtype=`` set) to fp32, or an fp32 result: *fp32* (on CUDA softmax gets ``dtype=float32``
+   and runs ``_softmax(x_fp16, half_to_float=True)``: only the result tells). Mixed inputs widened to
+   fp32 or passed as they are (autocast's "promote" list, e.g. ``cat``, ``stack``): *follow*. Every op
+   without an autocast kernel also follows its inputs.
 
     >>> lists = autocast_op_lists("cpu", torch.bfloat16)
     >>> "bmm" in lists.low, "nll_loss" in lists.fp32, "cat" in lists.follow
     (True, True, True)
     >>> default_policy("softmax", "cpu", torch.bfloat16)   # CPU autocast leaves softmax alone
     <OpPolicy.FOLLOW: 'follow'>
+    >>> default_policy("softmax", "cuda", torch.float16)   # CUDA autocast runs it in fp32 (no GPU needed)
+    <OpPolicy.FP32: 'fp32'>
 
 Editing: a recipe moves ops between the lists (``fp32_ops=softmax+layer_norm,low_ops=bmm``). The edits
 that differ from autocast's own policy on the device are applied by ``OpListMode``, a
@@ -55,6 +60,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -139,6 +145,8 @@ class _FirstCall(TorchDispatchMode):
     seen: tuple[list[torch.dtype], list[torch.dtype]] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "prim":     # prim.device, prim.layout: autocast asking a fake tensor's device
+            return func(*args, **(kwargs or {}))
         leaves = tree_leaves((args, kwargs or {}))
         self.seen = ([a.dtype for a in leaves if isinstance(a, torch.Tensor) and a.is_floating_point()],
                      [a for a in leaves if isinstance(a, torch.dtype)])
@@ -147,7 +155,7 @@ class _FirstCall(TorchDispatchMode):
 
 def _fake_argument(arg: Any, dtype: torch.dtype, device: str) -> Any:
     """A value of the schema's type: 2x2 tensors, 1s, ``False``. Its meaning does not matter: the probe
-    stops at the first aten call, before shapes are checked in earnest."""
+    only needs autocast's decision, and ops whose fake arguments fail a check are probed no further."""
     kind = str(arg.type)
     if "Tensor" in kind:
         tensor = torch.ones(2, 2, dtype=dtype, device=device)
@@ -157,39 +165,95 @@ def _fake_argument(arg: Any, dtype: torch.dtype, device: str) -> Any:
     return {"int": 1, "SymInt": 1, "float": 1.0, "bool": False, "Scalar": 1, "str": "fro"}.get(kind)
 
 
+@contextlib.contextmanager
+def _autocast_on(device_type: str, low: torch.dtype) -> Iterator[None]:
+    """Autocast for ``device_type`` switched on through its thread-local state, the state restored after.
+
+    ``torch.autocast("cuda")`` turns itself off (with a warning) where no GPU is visible; the state
+    underneath does not look at the hardware, and the probe's tensors are fake, so the CUDA lists can be
+    read on any machine. ``torch.autocast``'s own enter and exit do these same steps.
+    """
+    enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, low)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, dtype)
+
+
+def _fake_mode(device_type: str) -> FakeTensorMode:
+    """Fake tensors (shapes and dtypes, no data, no device memory) on ``device_type``; a clear error
+    where this torch build cannot even pretend to have the device."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    try:
+        with mode:
+            torch.empty(1, device=device_type)
+    except Exception as e:       # an unknown device type, or a backend this build was compiled without
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot read autocast's op lists for device type {device_type!r}: this torch "
+                         f"build cannot make (fake) tensors there ({first}). Use 'cpu' or 'cuda'") from None
+    return mode
+
+
 def _probe(qualified: str, device: str, low: torch.dtype) -> OpPolicy | None:
-    """autocast's policy for one registered op overload, or None if the probe could not tell."""
+    """autocast's policy for one registered op overload, or None if the probe could not tell.
+
+    Two things are read, on fake tensors of ``device`` (no GPU needed, no kernel runs): the first aten
+    call below autocast (the arguments it cast, a ``dtype=`` it set) and the dtype the op returns.
+    Both are needed: on CUDA autocast puts softmax, log_softmax, sum, prod, cumsum, cumprod and
+    linalg_vector_norm on its fp32 list by passing ``dtype=torch.float32``, and softmax then reaches
+    ``_softmax(x_fp16, half_to_float=True)``: fp16 arguments, fp32 result.
+    """
     base, _, overload = qualified.split("::", 1)[-1].partition(".")
     op = getattr(getattr(torch.ops.aten, base), overload or "default")
+    fake = _fake_mode(device)
 
-    def first_call(dtypes: tuple[torch.dtype, ...]):
+    def call(dtypes: tuple[torch.dtype, ...], stop_at_first: bool):
+        """(first call's floating dtypes, its dtype arguments), or the op's floating output dtypes."""
         args, kwargs, i = [], {}, 0
-        for arg in op._schema.arguments:
-            if arg.has_default_value():
-                continue
-            is_tensor = "Tensor" in str(arg.type)
-            value = _fake_argument(arg, dtypes[i % len(dtypes)] if is_tensor else torch.float32, device)
-            i += is_tensor
-            (kwargs.__setitem__(arg.name, value) if arg.kwarg_only else args.append(value))
-        mode = _FirstCall()
-        try:
-            with torch.autocast(device, dtype=low), mode:
-                op(*args, **kwargs)
-        except _Stop:
-            return mode.seen
-        except Exception:   # the fake arguments failed a check before the first aten call
+        with fake:
+            for arg in op._schema.arguments:
+                if arg.has_default_value():
+                    continue
+                is_tensor = "Tensor" in str(arg.type)
+                value = _fake_argument(arg, dtypes[i % len(dtypes)] if is_tensor else torch.float32, device)
+                i += is_tensor
+                (kwargs.__setitem__(arg.name, value) if arg.kwarg_only else args.append(value))
+            mode = _FirstCall()
+            try:
+                with _autocast_on(device, low), (mode if stop_at_first else contextlib.nullcontext()):
+                    out = op(*args, **kwargs)
+            except _Stop:
+                return mode.seen
+            except Exception:   # the fake arguments failed a check
+                return None
+        if stop_at_first:
             return None
-        return None
+        return [t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
-    seen = first_call((torch.float32,))
-    if seen and low in seen[1] or (seen and low in seen[0]):
+    # The whole op runs (second call of each pair) only where its first aten call did not tell.
+    seen = call((torch.float32,), True)
+    if seen and (low in seen[1] or low in seen[0]):
         return OpPolicy.LOW
-    seen = first_call((low,))
+    out = call((torch.float32,), False)
+    if out and all(d == low for d in out):
+        return OpPolicy.LOW
+    seen = call((low,), True)
     if seen and (torch.float32 in seen[0] or torch.float32 in seen[1]):
         return OpPolicy.FP32
-    seen = first_call((torch.float32, low))
-    if seen and (torch.float32 in seen[1] or (seen[0] and all(d == torch.float32 for d in seen[0]))):
-        return OpPolicy.FOLLOW      # autocast's "promote": mixed inputs run in the widest dtype
+    out = call((low,), False)
+    if out and torch.float32 in out:
+        return OpPolicy.FP32
+    seen = call((torch.float32, low), True)
+    if seen and low not in seen[1]:
+        # autocast's "promote": mixed inputs run in the widest dtype (a cast to fp32 is seen), or the op
+        # gets them as they are (index_put: autocast does not look into its list of indices).
+        return OpPolicy.FOLLOW
     return None
 
 
@@ -234,10 +298,13 @@ def default_policy(op: str, device_type: str, low: torch.dtype) -> OpPolicy:
 
 @functools.cache
 def autocast_op_lists(device_type: str, low: torch.dtype = torch.bfloat16) -> OpLists:
-    """torch.autocast's three lists on ``device_type`` (probes every registered op: ~1 s on a CPU).
+    """torch.autocast's three lists on ``device_type`` (probes every registered op on fake tensors).
 
-    Needs the device itself: on CUDA the probe tensors must live on a GPU for autocast to cast them.
+    Needs no device: ``autocast_op_lists("cuda")`` answers on a machine without a GPU (the dispatcher
+    holds the CUDA registrations in every build). ValueError for a device type this torch build cannot
+    represent.
     """
+    _fake_mode(device_type)       # fail early and clearly, not op by op
     names = {_base_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(
         _autocast_key(device_type))}
     by_policy: dict[OpPolicy, set[str]] = {p: set() for p in OpPolicy}

@@ -20,7 +20,7 @@ def model_and_data():
 
 
 @pytest.mark.parametrize("recipe", ["fp16", "bf16", "fp16-pure", "bf16-pure", "bf16-sr", "tf32"])
-def test_fused_step_runs_without_host_sync(recipe):
+def test_fused_step_runs_without_host_sync(recipe, no_sync):
     model, x, y = model_and_data()
     mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), recipe,
                                 clip_grad_norm=1.0)
@@ -29,17 +29,13 @@ def test_fused_step_runs_without_host_sync(recipe):
             mp.backward(F.cross_entropy(model(x), y))
         mp.step()
         mp.zero_grad()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_sync():
         for _ in range(3):
             with mp.autocast():
                 loss = F.cross_entropy(model(x), y)
             mp.backward(loss)
             result = mp.step()
             mp.zero_grad()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert not result.skipped and torch.isfinite(loss)
 
 

@@ -121,3 +121,39 @@ def test_nonfinite_tracer_attributes_backward_ops_on_autograd_device_thread():
     assert mp.step().skipped
     origin = mp.last_overflow
     assert (origin.module, origin.direction, origin.op) == ("1", "backward", "aten.mul.Tensor")
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "fp16-pure"])
+def test_predicted_peak_is_within_5_percent_of_max_memory_allocated(recipe):
+    # A GPT whose logits (16 x 512 x 32768) dominate, as gpt2's do: the H100 run of 2026-11-22 found
+    # the saved-set prediction 25-31% under the allocator's peak there. The prediction runs on fake
+    # tensors; the allocator counts a real second step (the first creates the optimizer state).
+    from mixprec.lab.models import GPT, GPTConfig
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=32768, block_size=512, n_layer=4, n_head=8, n_embd=512))
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    opt = lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True)        # noqa: E731
+    x = torch.randint(0, 32768, (16, 512), device="cuda")
+    y = torch.randint(0, 32768, (16, 512), device="cuda")
+    with torch.device("meta"):
+        shapes_only = build()                  # nothing allocated; the report runs outside the context
+    predicted = mixprec.memory_report(shapes_only, recipe, (x, y), optimizer=opt, loss_fn=loss_fn).predicted
+    torch.randn(64, 64, device="cuda") @ torch.randn(64, 64, device="cuda")   # cuBLAS workspace: not ours
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() - x.untyped_storage().nbytes() - y.untyped_storage().nbytes()
+    torch.cuda.reset_peak_memory_stats()
+    model = build().cuda()
+    mp = mixprec.MixedPrecision(model, opt(model.parameters()), recipe)
+    for _ in range(2):
+        with mp.autocast():
+            loss = loss_fn(model(x), y)
+        mp.backward(loss)
+        mp.step()
+        mp.zero_grad()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert predicted.peak == pytest.approx(peak, rel=0.05), (predicted.peak, peak)

@@ -30,7 +30,8 @@ __all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes"
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes by role. ``peak`` is the CUDA allocator's peak for the run, ``None`` on other devices."""
+    """Bytes by role. ``peak``: measured, the CUDA allocator's peak for the run (``None`` on other
+    devices); predicted, the step's peak with its transients (diagnostics/memory_peak.py)."""
 
     params: int = 0          # the model's weights and buffers as held (fp16 in pure recipes)
     grads: int = 0           # gradients of the model's weights, plus the fp32 copies' gradients

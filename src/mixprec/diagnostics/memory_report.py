@@ -32,10 +32,12 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..engine import MixedPrecision
 from ..recipe import Precision, Recipe, get_recipe
-from .memory import MemoryBreakdown, SavedTensorMeter, state_bytes
+from .memory import MemoryBreakdown, SavedTensorMeter, state_bytes, storage_bytes
+from .memory_peak import fake_step_peak, step_transients
 from .shadow import meta_like, shadow_copy
 
 __all__ = ["MemoryReport", "memory_report", "predict_optimizer_bytes"]
@@ -79,8 +81,9 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
                          "memory to report")
     # TF32 changes how matmuls round, not what is stored: predict it as fp32 (which runs on any device).
     traced = dataclasses.replace(recipe, compute=Precision.FP32) if recipe.compute is Precision.TF32 else recipe
-    predicted = _predict(model, traced, batch, loss_fn)
+    predicted, inputs = _predict(model, traced, batch, loss_fn)     # inputs: (batch bytes, grads at step())
     predicted = dataclasses.replace(predicted, optimizer=predict_optimizer_bytes(optimizer, model))
+    predicted = dataclasses.replace(predicted, peak=_peak(predicted, inputs, traced, optimizer, model))
     measured = _measure(model, recipe, batch, optimizer, loss_fn) if measure else None
     return MemoryReport(str(recipe), recipe.label, sum(p.numel() for p in params), predicted, measured)
 
@@ -113,7 +116,10 @@ def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, l
     return meter.bytes
 
 
-def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBreakdown:
+def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn
+             ) -> tuple[MemoryBreakdown, tuple[int, int]]:
+    """State and saved activations of one fake step, with ``peak`` the forward/backward's peak without
+    optimizer state; and ``(bytes of the batch, bytes of the model's gradients when step() starts)``."""
     inputs, targets = _split(batch, loss_fn)
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes():
@@ -121,15 +127,35 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBre
             fake_in, fake_targets = meta_like((inputs, targets), "cpu")   # one memo: aliases stay
             # A stand-in optimizer (plain SGD makes no state): the engine needs one to wire masters.
             mp = MixedPrecision(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), recipe)
-            activations = _one_step(mp, shadow, fake_in, fake_targets, loss_fn)
+            batch_bytes = storage_bytes(t for t in tree_leaves((fake_in, fake_targets))
+                                        if isinstance(t, torch.Tensor))
+            before = state_bytes(mp).total + batch_bytes        # alive before the step: weights, masters, batch
+            activations, peak = fake_step_peak(
+                lambda: _one_step(mp, shadow, fake_in, fake_targets, loss_fn), before)
+            grads_at_step = state_bytes(mp).grads     # the model's gradients, as step() finds them
             if mp.master is not None and mp.master.keep:
                 mp.master.pull_grads()    # the fp32 copies' gradients exist from step() on
-            return dataclasses.replace(state_bytes(mp), optimizer=0, activations=activations)
+            return (dataclasses.replace(state_bytes(mp), optimizer=0, activations=activations, peak=peak),
+                    (batch_bytes, grads_at_step))
     except (RuntimeError, NotImplementedError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot predict the memory of {type(model).__name__}: tracing it with fake "
                          f"tensors (shapes only) failed: {first}. Its ops need meta kernels and its "
                          "control flow must not read tensor values") from None
+
+
+def _peak(predicted: MemoryBreakdown, inputs: tuple[int, int], recipe: Recipe, optimizer: OptimizerSpec,
+          model: nn.Module) -> int:
+    """The step's peak (memory_peak.py): the forward/backward's, or step()'s on top of the state after
+    the backward; the optimizer state is alive at both moments."""
+    batch_bytes, grads_at_step = inputs
+    forward_backward = predicted.peak + predicted.optimizer
+    state = predicted.params + grads_at_step + predicted.master + predicted.optimizer + batch_bytes
+    params = list(model.parameters())
+    build = ((lambda twins: _rebuild(optimizer, params, twins)) if optimizer is not None
+             else (lambda twins: torch.optim.SGD(twins, lr=0.0)))
+    transients = step_transients(recipe, build, params, device_type=params[0].device.type)
+    return max(forward_backward, state + transients)
 
 
 class _RealStatDtypes(TorchDispatchMode):

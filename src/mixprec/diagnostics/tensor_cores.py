@@ -15,14 +15,15 @@ module it came from (backward ops too: ``ModuleScope``)::
 Attention through ``scaled_dot_product_attention`` is traced on its math path (meta has no fused
 kernel), so its two batched matmuls and their gradients appear as ``bmm``; on a GPU a fused kernel runs
 them with the same shapes. ``profile_kernels`` (CUDA only) times a real step with torch.profiler and says
-which kernels ran on tensor cores.
+which kernels ran on tensor cores, from what each kernel is (``kernel_kinds``: its name's math
+instruction, checked against the dtypes of the op that launched it; "unknown" where that does not tell).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from .kernel_kinds import classify_kernel
 from ..module_scope import ModuleScope
 from .shadow import meta_copy, meta_like
 
@@ -44,6 +46,8 @@ _CONVS = {_aten.convolution, _aten.convolution_backward}
 # when that costs at most this fraction more, else to the next multiple the format needs.
 _WIDE_PAD = 64
 _WIDE_PAD_COST = 0.01
+# Profiler spans that are not kernels: optimizer.step annotations and profiler step markers.
+_ANNOTATION = re.compile(r"^(Optimizer\.\w+#|ProfilerStep#)")
 
 
 def alignment(dtype: torch.dtype | str) -> int | None:
@@ -248,17 +252,10 @@ def _sum_floating(out: Any) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- GPU profiling
-# Kernel names of tensor-core GEMMs and convolutions: cuBLAS/cuDNN encode the MMA shape (s884, h1688,
-# s16816, i8816: Volta, Turing and Ampere MMA tiles), CUTLASS says "tensorop", Hopper's are xmma/gmma/wgmma/nvjet, and the
-# flash/memory-efficient attention kernels use mma tiles.
-_TC_PATTERN = re.compile(r"([hsi]\d{3,5}(gemm|cudnn|conv)|[hsi](884|1688|16816|8816)|tensorop|xmma|gmma|"
-                         r"hmma|wmma|nvjet|flash_fwd|flash_bwd|fmha|_mma_|cutlass.*(f16|bf16|e4m3|e5m2))",
-                         re.IGNORECASE)
-
-
-def is_tensor_core_kernel(name: str) -> bool:
-    """Whether a CUDA kernel's name says it runs on tensor cores (cuBLAS/cuDNN/CUTLASS conventions)."""
-    return bool(_TC_PATTERN.search(name))
+def is_tensor_core_kernel(name: str, op_dtypes: Iterable[str] = ()) -> bool:
+    """Whether a CUDA kernel's name says it runs on tensor cores (``kernel_kinds.classify_kernel``;
+    False where it says CUDA cores, no matmul, or cannot tell)."""
+    return classify_kernel(name, op_dtypes).tensor_cores is True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +263,7 @@ class KernelTime:
     name: str
     calls: int
     time_us: float
-    tensor_cores: bool
+    tensor_cores: bool | None        # None: a matmul kernel whose math its name does not tell
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +281,13 @@ class KernelProfile:
         total = self.total_us
         return sum(k.time_us for k in self.kernels if k.tensor_cores) / total if total else 0.0
 
+    @property
+    def unknown_share(self) -> float:
+        """Share of GPU time in matmul kernels that could not be classified: the tensor-core share is
+        a lower bound, this much below the truth at most."""
+        total = self.total_us
+        return sum(k.time_us for k in self.kernels if k.tensor_cores is None) / total if total else 0.0
+
 
 def profile_kernels(step: Callable[[], Any], *, steps: int = 3, warmup: int = 2) -> KernelProfile:
     """Run ``step()`` ``warmup`` times, then ``steps`` times under torch.profiler; classify its kernels.
@@ -297,20 +301,37 @@ def profile_kernels(step: Callable[[], Any], *, steps: int = 3, warmup: int = 2)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    return _kernel_profile(prof.events())
+
+
+def _kernel_profile(events: Iterable[Any]) -> KernelProfile:
+    """Kernel times from profiler events, each kernel classified by its name and its op's dtypes."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    # The dtypes of the ops that launched each kernel (record_shapes=True fills input_dtypes; torch
+    # builds without the field give none, and classification then rests on the name alone).
+    op_dtypes: dict[str, set[str]] = {}
+    for e in events:
+        if e.device_type == cpu and e.kernels:
+            dtypes = {d for d in (getattr(e, "input_dtypes", None) or []) if isinstance(d, str)}
+            for k in e.kernels:
+                op_dtypes.setdefault(k.name, set()).update(dtypes)
     # Kernels appear as device-side events, and as the .kernels of the CPU ops that launched them;
-    # take the first form, or the second where a torch build lists no device events.
-    launched = [(e.name, e.device_time_total) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA]
+    # take the first form, or the second where a torch build lists no device events. User
+    # annotations (``Optimizer.step#AdamW.step``) are spans over other kernels, not kernels: skip them.
+    launched = [(e.name, e.device_time_total) for e in events
+                if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
+                and not _ANNOTATION.match(e.name)]
     if not launched:
-        launched = [(k.name, k.duration) for e in prof.events() for k in e.kernels]
+        launched = [(k.name, k.duration) for e in events for k in e.kernels if not _ANNOTATION.match(k.name)]
     kernels: dict[str, list[float]] = {}
     for name, duration_us in launched:
         entry = kernels.setdefault(name, [0, 0.0])
         entry[0] += 1
         entry[1] += duration_us
-    rows = [KernelTime(name, int(c), t, is_tensor_core_kernel(name)) for name, (c, t) in kernels.items()]
+    rows = [KernelTime(name, int(c), t, classify_kernel(name, op_dtypes.get(name, ())).tensor_cores)
+            for name, (c, t) in kernels.items()]
     return KernelProfile(tuple(sorted(rows, key=lambda k: -k.time_us)))

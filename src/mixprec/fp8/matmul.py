@@ -5,12 +5,13 @@ accumulation and rounds once to ``out_dtype``; ``a`` and ``b`` hold fp8 values (
 ``inv_*`` are the reciprocal scales that undo them. Two backends, one meaning:
 
 - ``scaled_mm``: torch's ``_scaled_mm`` on float8 tensors (CUDA compute capability 8.9+, and recent
-  CPU builds). It wants ``a`` row-major and ``b`` column-major (Inductor too, on every device), and
+  CPU builds), always with ``use_fast_accum=False``. It wants ``a`` row-major and ``b`` column-major (Inductor too, on every device), and
   on CUDA the inner and output dimensions multiples of 16; the inner dimension is zero-padded when it
   is not (zeros add nothing).
 - ``emulate``: the operands as fp32 tensors holding fp8 values (``formats.quantize``), an fp32 matmul,
-  the same two scale multiplies, one rounding to ``out_dtype``. Agrees with ``scaled_mm`` to within
-  the output dtype's rounding (fp32 sums in another order can differ in the last bits).
+  the same two scale multiplies, one rounding to ``out_dtype``. On a CPU it agrees with ``scaled_mm`` to
+  within the output dtype's rounding (fp32 sums in another order differ in the last bits); on Hopper
+  the fp8 tensor cores' accumulator is narrower than fp32 (tests/gpu/test_fp8_cuda.py derives the bound).
 
 Whether the device runs ``torch._scaled_mm`` is ``mixprec.devices.probe_scaled_mm``'s answer.
 """
@@ -49,7 +50,12 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torc
               out_dtype: torch.dtype) -> torch.Tensor:
     """``(a @ b) * inv_a * inv_b`` via ``torch._scaled_mm``: ``a`` (M, K) and ``b`` (K, N) float8."""
     a, b = _operands(a, b, pad=a.device.type == "cuda")   # the layouts (and on CUDA the alignment) required
-    return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    # Never fast accumulation, forward or gradient. Hopper's fp8 MMA keeps partial sums in a narrow
+    # accumulator (about 14 significant bits); without fast accumulation cuBLAS adds them into fp32 at
+    # intervals, with it only at the end. H100, K=8192, 2026-11-22: max error against the exact product
+    # 14x sqrt(K) 2**-23 max|exact| without, 294x with it (profiles.txt). Gradients sum over the batch
+    # (the weight gradient's K is M = batch x positions): the long sums that lose most.
+    return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=False)
 
 
 def emulated_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,

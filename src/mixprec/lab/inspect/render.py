@@ -28,7 +28,7 @@ def render_memory_table(report: InspectReport) -> Table:
                         "predicted" + (f"; measured: one real step on {report.device}"
                                        if report.measured else " only"),
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for name in ("recipe", "weights", "grads", "master", "optim", "activ", "total", "B/par"):
+    for name in ("recipe", "weights", "grads", "master", "optim", "activ", "peak", "B/par"):
         table.add_column(name, justify="left" if name == "recipe" else "right", no_wrap=True)
     if report.measured:
         table.add_column("measured", justify="right", no_wrap=True)
@@ -36,7 +36,9 @@ def render_memory_table(report: InspectReport) -> Table:
     for m in report.memory:
         p = m.predicted
         row = [names[m.recipe]] + [format_bytes(v) for v in (p.params, p.grads, p.master, p.optimizer,
-                                                               p.activations, p.total)]
+                                                               p.activations)]
+        # The peak, not the sum of the parts: what the step needs at its worst moment.
+        row.append("-" if p.peak is None else format_bytes(p.peak))
         row.append(f"{m.bytes_per_param:.1f}")
         if report.measured:
             row.append("-" if m.measured is None else format_bytes(
@@ -104,10 +106,16 @@ def render_notes(report: InspectReport) -> list[str]:
     lines += [f"{names[m.recipe]}: {m.recipe}" for m in report.memory if names[m.recipe] != m.label]
     for prof in report.kernels:
         top = next((k for k in prof.kernels if k.tensor_cores), None)
-        lines.append(f"{names.get(prof.recipe, prof.recipe)} on {report.device}: {prof.tensor_core_share:.0%} of GPU "
-                     f"kernel time in tensor-core kernels" + (f" (longest: {top.name[:60]})" if top else ""))
+        unknown = f", {prof.unknown_share:.0%} in matmul kernels of unknown kind" if prof.unknown_share else ""
+        lines.append(f"{names.get(prof.recipe, prof.recipe)} on {report.device}: {prof.tensor_core_share:.0%} "
+                     f"of GPU kernel time in tensor-core kernels{unknown}"
+                     + (f" (longest: {top.name[:60]})" if top else ""))
+    if report.measured and any(m.measured is not None and m.measured.peak is None for m in report.memory):
+        lines.append(f"measured on {report.device}: the counted parts (this device has no allocator peak); "
+                     "on CUDA: the allocator's peak, to hold against the predicted peak")
     lines += [f"note: {n}" for n in report.notes]
     lines.append("weights + grads + master + optim = B/par x parameters; activations: tensors "
-                 "autograd saves for the backward; attention is traced on its math path (a fused GPU "
-                 "kernel runs the same matmul shapes)")
+                 "autograd saves for the backward; peak: the step's worst moment, with what is never "
+                 "saved (logits and their gradient, casts, optimizer temporaries); attention is traced "
+                 "on its math path (a fused GPU kernel runs the same matmul shapes)")
     return lines

@@ -14,7 +14,8 @@ JSON schema, version 1 (strict JSON: non-finite floats as "NaN"/"Infinity" strin
       recipe, label    str     full recipe string; its name
       n_params         int     trainable parameter elements
       bytes_per_param  float   (weights + grads + master + optimizer) / n_params, predicted
-      predicted        object  params, grads, master, optimizer, activations (int bytes), peak (null)
+      predicted        object  params, grads, master, optimizer, activations, peak (the step's worst
+                               moment, transients included): int bytes
       measured         object|null  the same, from one real step (peak: CUDA allocator peak or null)
     matmul_flops       int     FLOPs of every matmul/convolution of one forward+backward
     misaligned_share   object  {"8": fraction, "16": fraction}: FLOPs share in ops with a dim that is
@@ -25,8 +26,11 @@ JSON schema, version 1 (strict JSON: non-finite floats as "NaN"/"Infinity" strin
                                shapes [[int]], dims [[name str, size int, role str]], flops int
     kernels            list    CUDA only (else empty): per recipe, 3 profiled real steps:
       recipe           str
-      tensor_core_share float  fraction of GPU kernel time in tensor-core kernels (by kernel name)
-      kernels          list    name str, calls int, time_us float, tensor_cores bool; longest first
+      tensor_core_share float  fraction of GPU kernel time in tensor-core kernels (by what each kernel is)
+      unknown_share    float  fraction in matmul kernels whose kind cannot be told (tensor_core_share is a
+                               lower bound by this much)
+      kernels          list    name str, calls int, time_us float, tensor_cores bool or null (unknown);
+                               longest first
 
 The fields mirror the file; ``bytes_per_param``, ``matmul_flops``, ``misaligned_share``, ``fixes`` and each
 recipe's ``tensor_core_share`` are written for readers and recomputed from the fields when read back, so
@@ -56,8 +60,13 @@ class RecipeKernels:
 
     @property
     def tensor_core_share(self) -> float:
-        """Fraction of GPU kernel time spent in tensor-core kernels (judged by kernel name)."""
+        """Fraction of GPU kernel time spent in tensor-core kernels (judged by what each kernel is)."""
         return KernelProfile(self.kernels).tensor_core_share
+
+    @property
+    def unknown_share(self) -> float:
+        """Fraction in matmul kernels whose kind cannot be told: the share above is a lower bound by this."""
+        return KernelProfile(self.kernels).unknown_share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +103,6 @@ class InspectReport(JsonReport):
 
 InspectReport.SCHEMA = Schema("inspect", 1, derived={
     MemoryReport: {"bytes_per_param": attr("bytes_per_param")},
-    RecipeKernels: {"tensor_core_share": attr("tensor_core_share")},
+    RecipeKernels: {"tensor_core_share": attr("tensor_core_share"), "unknown_share": attr("unknown_share")},
     InspectReport: {"matmul_flops": lambda report, _: report.tensor_cores.total_flops,
                     "misaligned_share": attr("misaligned_share"), "fixes": attr("fixes")}})
