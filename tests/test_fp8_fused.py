@@ -83,3 +83,21 @@ def test_a_compiler_failure_falls_back_to_the_eager_casts_with_one_notice(monkey
     assert len(notes) == 1 and "no C++ compiler found" in str(notes[0].message)
     assert "fp8 cast" in str(notes[0].message) and fresh.broken.startswith("RuntimeError")
     assert torch.equal(y1, eager(x)) and torch.equal(y2, y1)
+
+
+def test_one_graph_serves_every_batch_size_and_weight_shape():
+    # Two layers of different weight shapes, three batch sizes, training only: the graphs differ by
+    # the input's dtype and the role's format and layout, never by a shape (weights go in detached).
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    torch._dynamo.reset()
+    layers = [Fp8Linear.from_linear(nn.Linear(48, 32), Fp8Config(), "scaled_mm"),
+              Fp8Linear.from_linear(nn.Linear(32, 16), Fp8Config(), "scaled_mm")]
+    for layer in layers:
+        layer.fused_casts = True
+    for batch in (8, 12, 20):
+        x = torch.randn(batch, 48, requires_grad=True)
+        out = layers[1](layers[0](x))
+        out.backward(torch.randn_like(out))   # (sum()'s gradient would be a stride-0 expand: a 3rd graph)
+    graphs = len(_debug_get_cache_entry_list(fused_mod._cast_role.__code__))
+    # input and weight (e4m3, transposed copy wanted) share one; grad_output (e5m2) is the other.
+    assert graphs == 2, graphs

@@ -11,7 +11,11 @@ scaling the scale comes from the history, so the cast does not wait for this ten
 computes both in one pass over the tensor.
 
 The numerics are those of ``scaling.py`` bit for bit (the same functions are what is compiled;
-tests/test_fp8_fused.py checks it). Compiled with ``dynamic=True``: one graph serves every shape.
+tests/test_fp8_fused.py checks it). Compiled with ``dynamic=True``: one graph serves every shape
+(weights are passed detached, so torch.compile does not pin Parameter shapes). Graphs differ only by
+the input dtype, the role's format, recording or not (training or evaluation) and whether the
+transposed copy is wanted: a training run with evaluation and delayed scaling builds 7, within
+Dynamo's default cache limit of 8 (beyond it a new variant runs eagerly: correct, unfused).
 Where torch.compile cannot build it (no C++ compiler, no Triton, an old torch) the first call says
 so once (``fusion.FusionWarning``) and every cast runs the same function eagerly.
 """

@@ -166,7 +166,9 @@ class Fp8Linear(nn.Linear):
         if self.fused_casts and not self.count_ranges and not torch.compiler.is_compiling():
             cfg = self.fp8_config
             history = getattr(self, f"{role}_history") if cfg.delayed else None
-            q, q_t, scale = fused_cast(x, getattr(self, f"{role}_scale"), getattr(self, f"{role}_amax"),
+            # detach(): a plain tensor, so one dynamic-shape graph serves weights (Parameters get
+            # static shapes in torch.compile: a recompile per weight shape) and activations alike.
+            q, q_t, scale = fused_cast(x.detach(), getattr(self, f"{role}_scale"), getattr(self, f"{role}_amax"),
                                        history, ROLES[role], algo=cfg.amax, margin=cfg.margin, pow2=cfg.pow2,
                                        record=record, want_t=want_t)
             return q, (q_t if q_t is not None else q.t()), scale
