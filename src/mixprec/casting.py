@@ -1,10 +1,11 @@
 """Preparing a model for a recipe: cast weights, set per-module precision, cast inputs in and outputs out.
 
-Pure recipes (fp16/bf16 weights) cast every parameter and floating buffer to the low dtype except in
-modules the recipe keeps fp32 (normalisations by default: their mean and variance reduce over many
-values). Every low-compute recipe casts the model's floating outputs to fp32, so softmax and the loss
-are computed in fp32 (seed 001) even where autocast's op lists leave them in 16 bits (CPU autocast
-keeps log_softmax in fp16).
+Pure recipes (fp16/bf16 weights) cast every parameter to the low dtype except in modules the recipe
+keeps fp32 (normalisations by default: their mean and variance reduce over many values), and each
+floating buffer only where ``buffers.cast_buffers`` finds it safe (running statistics, and tables a
+cast would round, such as rotary frequencies, stay fp32). Every low-compute recipe casts the model's
+floating outputs to fp32, so softmax and the loss are computed in fp32 (seed 001) even where
+autocast's op lists leave them in 16 bits (CPU autocast keeps log_softmax in fp16).
 
 Per-module precision (``Recipe.modules``, and ``fp32_modules`` in pure recipes) makes *regions*: a
 module whose precision differs from its parent's, together with its children. Its forward runs
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .buffers import cast_buffers
 from .recipe import Precision, Recipe
 
 __all__ = ["keeps_fp32", "module_precisions", "check_module_patterns", "low_precision_params",
@@ -153,9 +155,9 @@ def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None,
             for p in module.parameters(recurse=False):
                 if cast_params and id(p) in low:
                     p.data = p.data.to(dtype)
-            for buf_name, buf in module.named_buffers(recurse=False):
-                if buf.is_floating_point():
-                    setattr(module, buf_name, buf.to(dtype))
+        # Buffers are not weights (no master copy keeps them): each is decided on its own (buffers.py).
+        kept = frozenset(n for n, prec in precisions.items() if prec is Precision.FP32)
+        cast_buffers(model, dtype, skip=kept)
         # Inputs come from fp32 data pipelines; the first layer's weights are low precision.
         handles.append(model.register_forward_pre_hook(
             functools.partial(_cast_inputs_hook, dtype=dtype), with_kwargs=True))
