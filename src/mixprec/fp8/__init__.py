@@ -5,13 +5,14 @@ The engine swaps layers when a recipe has ``fp8=...``; these names are for users
 the scales or the report on their own.
 """
 
+from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .linear import ROLES, Fp8Linear
 from .matmul import emulated_mm, probe_scaled_mm, scaled_mm
 from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, quantize_fp8, record_amax
 from .swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport, resolve_backend, swap_to_fp8
 
 __all__ = [
-    "Fp8Linear", "ROLES", "probe_scaled_mm", "scaled_mm", "emulated_mm",
+    "Fp8Linear", "Fp8Conv1D", "is_hf_conv1d", "ROLES", "probe_scaled_mm", "scaled_mm", "emulated_mm",
     "amax_f32", "current_scale", "delayed_scale", "record_amax", "cast_to_fp8", "quantize_fp8",
     "Fp8Reason", "Fp8LayerDecision", "Fp8SwapReport", "swap_to_fp8", "resolve_backend",
 ]

@@ -161,11 +161,15 @@ class Fp8Linear(nn.Linear):
         record = self.training and torch.is_grad_enabled()
         x2d = x.reshape(-1, self.in_features)                        # (M, K)
         with torch.autocast(device_type, enabled=False):             # the emulation's fp32 mm stays fp32
-            out = _Fp8LinearFn.apply(x2d, self.weight, self, out_dtype, record)   # (M, N)
+            out = _Fp8LinearFn.apply(x2d, self._weight_out_in(), self, out_dtype, record)   # (M, N)
         out = out.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    def _weight_out_in(self) -> torch.Tensor:
+        """The weight as ``(out, in)``; a layer that stores it transposed returns a view (fp8/conv1d.py)."""
+        return self.weight
 
     # ---------------------------------------------------------------------------------- state
     def fp8_state(self) -> dict[str, torch.Tensor]:
