@@ -4,7 +4,7 @@ import json
 import math
 
 import torch
-from conftest import need
+from optional_deps import need
 
 import mixprec
 from mixprec.lab.cli import main

@@ -3,7 +3,7 @@
 import copy
 
 import torch
-from conftest import need
+from optional_deps import need
 
 from mixprec import MixedPrecision
 from mixprec.fp8 import Fp8Conv1D, Fp8Linear

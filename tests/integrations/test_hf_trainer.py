@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import need
+from optional_deps import need
 
 need("transformers")
 need("accelerate")
