@@ -60,7 +60,7 @@ def test_fused_cast_writes_both_layouts_of_the_same_fp8_values():
     scale, amax = torch.ones(()), torch.zeros(())
     x = torch.randn(24, 40)
     from mixprec.formats import FP8_E4M3
-    q, q_t, s = fused_mod.fused_cast(x, scale, amax, None, FP8_E4M3, algo="max", margin=0, pow2=False,
+    q, q_t, s, _ = fused_mod.fused_cast(x, scale, amax, None, FP8_E4M3, algo="max", margin=0, pow2=False,
                                      record=True, want_t=True)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (24, 40) and q.is_contiguous()
     assert q_t.shape == (40, 24) and q_t.is_contiguous() and torch.equal(q_t.float(), q.float().t())

@@ -1,12 +1,14 @@
 """Preparing a model for a recipe: cast weights, set per-module precision, cast inputs in and outputs out.
 
-Pure recipes (fp16/bf16 weights) cast every parameter and floating buffer to the low dtype except in
-modules the recipe keeps fp32 (normalisations by default: their mean and variance reduce over many
-values). Softmax and the loss are computed in fp32 (a sum over many terms loses small ones in 16 bits) under every low-compute recipe: a loss
-the model returns (a floating 0-d output) is cast to fp32; logits are cast to fp32 only where
-autocast's op lists would leave the loss's log_softmax in 16 bits (CPU) and the model did not compute
-its loss itself. On CUDA autocast runs log_softmax in fp32 straight from 16-bit logits, so the logits
-stay 16-bit and no fp32 copy of them is kept (compute the loss inside ``mp.autocast()``).
+Pure recipes (fp16/bf16 weights) cast every parameter to the low dtype except in modules the recipe
+keeps fp32 (normalisations by default: their mean and variance reduce over many values), and each
+floating buffer only where ``buffers.cast_buffers`` finds it safe (running statistics, and tables a
+cast would round, such as rotary frequencies, stay fp32). Softmax and the loss are computed in fp32
+(a sum over many terms loses small ones in 16 bits) under every low-compute recipe: a loss the model
+returns (a floating 0-d output) is cast to fp32; logits are cast to fp32 only where autocast's op
+lists would leave the loss's log_softmax in 16 bits (CPU) and the model did not compute its loss
+itself. On CUDA autocast runs log_softmax in fp32 straight from 16-bit logits, so the logits stay
+16-bit and no fp32 copy of them is kept (compute the loss inside ``mp.autocast()``).
 
 Per-module precision (``Recipe.modules``, and ``fp32_modules`` in pure recipes) makes *regions*: a
 module whose precision differs from its parent's, together with its children. Its forward runs
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .buffers import cast_buffers
 from .recipe import Precision, Recipe
 
 __all__ = ["keeps_fp32", "module_precisions", "check_module_patterns", "low_precision_params",
@@ -159,9 +162,9 @@ def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None,
             for p in module.parameters(recurse=False):
                 if cast_params and id(p) in low:
                     p.data = p.data.to(dtype)
-            for buf_name, buf in module.named_buffers(recurse=False):
-                if buf.is_floating_point():
-                    setattr(module, buf_name, buf.to(dtype))
+        # Buffers are not weights (no master copy keeps them): each is decided on its own (buffers.py).
+        kept = frozenset(n for n, prec in precisions.items() if prec is Precision.FP32)
+        cast_buffers(model, dtype, skip=kept)
         # Inputs come from fp32 data pipelines; the first layer's weights are low precision.
         handles.append(model.register_forward_pre_hook(
             functools.partial(_cast_inputs_hook, dtype=dtype), with_kwargs=True))

@@ -16,6 +16,7 @@ import platform
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .recipe import Precision, Recipe
 
@@ -84,8 +85,14 @@ def probe_scaled_mm(device: torch.device | str) -> Support:
     """Whether ``torch._scaled_mm`` runs fp8 (e4m3 and e5m2) matmuls on ``device``, and if not, why.
 
     Runs one tiny matmul the first time a device is asked about (one host sync); cached afterwards.
+    The probe always runs on real tensors: asked inside a fake-tensor trace (``memory_report``,
+    ``inspect``) it steps out of the trace's dispatch modes for that matmul, where a fake result
+    would read as "no fp8 here" and that verdict would be cached for the whole process.
     """
-    return _probe(str(torch.device(device)))
+    # _disable_current_modes pops every TorchDispatchMode (FakeTensorMode among them) for the block
+    # and restores them after; outside any mode it does nothing.
+    with _disable_current_modes():
+        return _probe(str(torch.device(device)))
 
 
 def resolve_device(word: str | None) -> torch.device:

@@ -1,37 +1,48 @@
-"""Export a model's weights in fp32, whatever precision the recipe holds them in.
+"""fp32 weights out of a model trained under any recipe: for ``save_pretrained``, serving, fine-tuning.
 
-Under pure recipes the model's own ``state_dict()`` is 16-bit (fp16-pure, bf16-pure, bf16-sr), and the
-exact weights the optimizer updates live in the fp32 master copy (``mp.state_dict()["master"]``, a
-list, not keyed by name). ``fp32_state_dict`` gives what an fp32 model loads::
+Under a pure recipe the model holds fp16/bf16 weights and the optimizer steps fp32 master copies; the
+masters are the weights (the 16-bit ones are their rounding). ``fp32_state_dict(engine)`` is the
+model's ``state_dict()`` with every low-precision parameter replaced by its fp32 master, and every
+other floating tensor upcast to fp32 (exact: fp16 and bf16 values are fp32 values). bf16-sr keeps no
+master: its bf16 weights are the weights, upcast. Tied weights stay tied (one tensor, two keys), so
+Hugging Face's ``save_pretrained(dir, state_dict=...)`` still recognises them::
 
-    torch.save(mp.fp32_state_dict(), "model_fp32.pt")        # or mixprec.fp32_state_dict(mp)
-    fp32_model.load_state_dict(torch.load("model_fp32.pt"))
+    model.save_pretrained(out_dir, state_dict=fp32_state_dict(mp))
 
-Each low-precision parameter with a master copy is replaced by that copy (the fp32 weights, not the
-rounded 16-bit ones); every other floating tensor is upcast to fp32, which is exact (fp16 and bf16
-values are all fp32 values). Integer buffers stay as they are. Like ``state_dict()`` the tensors are
-detached views of live state where no cast was needed: clone them if training goes on.
+Copies only what is not fp32 already; no host sync beyond the copies.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .engine import MixedPrecision
 
 __all__ = ["fp32_state_dict"]
 
 
-def fp32_state_dict(engine: Any) -> OrderedDict[str, torch.Tensor]:
-    """The model's ``state_dict()`` with master weights in place of 16-bit ones, all floats in fp32."""
-    state = engine.model.state_dict()
-    master = engine.master
-    if master is not None and master.keep:
-        name_of = {id(p): name for name, p in engine.model.named_parameters()}
-        for p, m in zip(master.model_params, master.masters):
-            name = name_of.get(id(p))
-            if name is not None and name in state:
-                state[name] = m.detach()
-    return OrderedDict((k, v.float() if v.is_floating_point() and v.dtype != torch.float32 else v)
-                       for k, v in state.items())
+def fp32_state_dict(engine: MixedPrecision) -> dict[str, torch.Tensor]:
+    """The engine's model's ``state_dict`` in fp32, master copies in place of 16-bit weights."""
+    masters: dict[int, torch.Tensor] = {}
+    if engine.master is not None and engine.master.keep:
+        masters = {id(p): m.detach() for p, m in zip(engine.master.model_params, engine.master.masters)}
+    # keep_vars: the Parameters themselves, so they can be matched to their masters by identity.
+    state = engine.model.state_dict(keep_vars=True)
+    made: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            out[key] = value
+            continue
+        if id(value) not in made:
+            if id(value) in masters:
+                made[id(value)] = masters[id(value)]
+            elif value.is_floating_point() and value.dtype != torch.float32:
+                made[id(value)] = value.detach().float()
+            else:
+                made[id(value)] = value.detach()
+        out[key] = made[id(value)]
+    return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
 import torch
@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..engine import MixedPrecision
+from ..model_io import call_model, output_loss
 from ..recipe import Precision, Recipe, get_recipe
 from .memory import MemoryBreakdown, SavedTensorMeter, state_bytes, storage_bytes
 from .memory_peak import fake_step_peak, step_transients
@@ -66,8 +67,10 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
                   loss_fn: Callable[..., torch.Tensor] | None = None, measure: bool = False) -> MemoryReport:
     """Predict the memory of one training step of ``model`` under ``recipe``; see the module docstring.
 
-    ``batch`` is the model's input, or ``(inputs, targets)`` when ``loss_fn(outputs, targets)`` is
-    given (without it the backward starts from the sum of the outputs). ``optimizer`` is an optimizer
+    ``batch`` is the model's input (a tensor, a tuple of positional inputs, or a dict of keyword
+    inputs such as ``input_ids=..., labels=...``), or ``(inputs, targets)`` when ``loss_fn(outputs,
+    targets)`` is given. Without ``loss_fn`` the backward starts from the output's own ``loss`` (HF
+    models given labels), else from the sum of the floating outputs. ``optimizer`` is an optimizer
     built on ``model``'s parameters, a factory ``params -> optimizer`` (as workloads have), or None
     (no optimizer state). ``model`` may be on the meta device (nothing allocated) unless ``measure``.
     No host sync for the prediction.
@@ -89,16 +92,21 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
 
 
 def _split(batch: Any, loss_fn) -> tuple[Any, Any]:
+    # A mapping batch (an HF BatchEncoding is a UserDict) becomes a plain dict, which tree_map walks.
+    plain = (lambda x: dict(x) if isinstance(x, Mapping) else x)
     if loss_fn is None:
-        return batch, None
+        return plain(batch), None
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise ValueError("with loss_fn, batch must be (inputs, targets); without it, the model's input")
-    return batch[0], batch[1]
+    return plain(batch[0]), batch[1]
 
 
 def _loss(out: Any, targets: Any, loss_fn) -> torch.Tensor:
     if loss_fn is not None:
         return loss_fn(out, targets)
+    own = output_loss(out)            # an HF model given labels computes its loss itself
+    if own is not None:
+        return own
     floats = [t for t in torch.utils._pytree.tree_leaves(out)
               if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not floats:
@@ -110,8 +118,7 @@ def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, l
     """Forward and backward under ``mp``; returns the activation bytes autograd saved."""
     with SavedTensorMeter(model, mp.master.masters if mp.master else []) as meter:
         with mp.autocast():
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-            loss = _loss(model(*args), targets, loss_fn)
+            loss = _loss(call_model(model, inputs), targets, loss_fn)
         mp.backward(loss)
     return meter.bytes
 

@@ -13,9 +13,10 @@ computes both in one pass over the tensor.
 The numerics are those of ``scaling.py`` bit for bit (the same functions are what is compiled;
 tests/test_fp8_fused.py checks it). Compiled with ``dynamic=True``: one graph serves every shape
 (weights are passed detached, so torch.compile does not pin Parameter shapes). Graphs differ only by
-the input dtype, the role's format, recording or not (training or evaluation) and whether the
-transposed copy is wanted: a training run with evaluation and delayed scaling builds 7, within
-Dynamo's default cache limit of 8 (beyond it a new variant runs eagerly: correct, unfused).
+the input dtype, the role's format, recording or not and whether the transposed copy is wanted;
+Fp8Linear never records inside the cast (it enters each cast into the scale state in its backward,
+once per real forward), which keeps the variants of a training run with evaluation within Dynamo's
+default cache limit of 8 (beyond it a new variant runs eagerly: correct, unfused).
 Where torch.compile cannot build it (no C++ compiler, no Triton, an old torch) the first call says
 so once (``fusion.FusionWarning``) and every cast runs the same function eagerly.
 """
@@ -33,8 +34,10 @@ __all__ = ["fused_cast"]
 
 def _cast_role(x: torch.Tensor, scale_buf: torch.Tensor, amax_buf: torch.Tensor,
                history: torch.Tensor | None, fmt: Format, algo: str, margin: int, pow2: bool,
-               record: bool, want_t: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(q, q^T contiguous or None, scale)`` for one role, updating the scale state when ``record``.
+               record: bool, want_t: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(q, q^T contiguous or None, scale, amax)`` for one role, updating the scale state when ``record``
+    (Fp8Linear passes False and records in its backward, once per real forward).
 
     The same steps as ``Fp8Linear._scale`` + ``cast_to_fp8`` (see there for the numerics).
     """
@@ -51,7 +54,7 @@ def _cast_role(x: torch.Tensor, scale_buf: torch.Tensor, amax_buf: torch.Tensor,
     q = cast_to_fp8(x, scale, fmt)
     # The backward's operand in the layout _scaled_mm wants, written by the same kernel as q.
     q_t = q.t().contiguous() if want_t else None
-    return q, q_t, scale
+    return q, q_t, scale, amax
 
 
 _fused_cast_role = FusedFunction(_cast_role, "fp8 cast")
@@ -59,6 +62,7 @@ _fused_cast_role = FusedFunction(_cast_role, "fp8 cast")
 
 def fused_cast(x: torch.Tensor, scale_buf: torch.Tensor, amax_buf: torch.Tensor,
                history: torch.Tensor | None, fmt: Format, *, algo: str, margin: int, pow2: bool,
-               record: bool, want_t: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+               record: bool, want_t: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``_cast_role`` compiled (``fusion.FusedFunction``), or run eagerly where that cannot be built."""
     return _fused_cast_role(x, scale_buf, amax_buf, history, fmt, algo, margin, pow2, record, want_t)

@@ -47,24 +47,32 @@ class _Fp8LinearFn(torch.autograd.Function):
                 out_dtype: torch.dtype, record: bool) -> torch.Tensor:
         # x_t and w_t are what backward multiplies by, transposed: (K, M) and (K, N), row-major when
         # the fused cast wrote them (views of x_q and w_q otherwise; scaled_mm copies them then).
-        x_q, x_t, s_x = layer._cast_pair("input", x2d, record, ctx.needs_input_grad[1])    # (M, K)
-        w_q, w_t, s_w = layer._cast_pair("weight", weight, record, ctx.needs_input_grad[0])  # (N, K)
+        x_q, x_t, s_x, a_x, c_x = layer._cast_pair("input", x2d, record, ctx.needs_input_grad[1])    # (M, K)
+        w_q, w_t, s_w, a_w, c_w = layer._cast_pair("weight", weight, record, ctx.needs_input_grad[0])  # (N, K)
         # Reciprocals undo the scales after the matmul; exact when the scales are powers of two.
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
         out = layer._mm(x_q, w_q.t(), inv_x, inv_w, out_dtype)     # (M, N)
         # Keep only what backward will use: the fp8 x for the weight gradient, the fp8 W for the input
         # gradient (a first layer fed with data needs no input gradient, so no copy of W is kept).
         ctx.save_for_backward(x_t if ctx.needs_input_grad[1] else None,
-                              w_t if ctx.needs_input_grad[0] else None, inv_x, inv_w)
-        ctx.layer, ctx.x_dtype, ctx.w_dtype = layer, x2d.dtype, weight.dtype
+                              w_t if ctx.needs_input_grad[0] else None, inv_x, inv_w,
+                              s_x, a_x, c_x, s_w, a_w, c_w)
+        ctx.layer, ctx.x_dtype, ctx.w_dtype, ctx.record = layer, x2d.dtype, weight.dtype, record
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_t, w_t, inv_x, inv_w = ctx.saved_tensors
+        x_t, w_t, inv_x, inv_w, s_x, a_x, c_x, s_w, a_w, c_w = ctx.saved_tensors
         layer = ctx.layer
+        if ctx.record:
+            # The forward's casts enter the scale state here, once per real forward: under activation
+            # checkpointing the forward runs twice (the recompute with grad enabled) but this backward
+            # once, and the recompute, seeing the history unchanged, casts exactly as the forward did.
+            layer._record("input", s_x, a_x, c_x)
+            layer._record("weight", s_w, a_w, c_w)
         with torch.autocast(grad_out.device.type, enabled=False):
-            g_q, g_t, s_g = layer._cast_pair("grad_output", grad_out, True, ctx.needs_input_grad[1])
+            g_q, g_t, s_g, a_g, c_g = layer._cast_pair("grad_output", grad_out, True, ctx.needs_input_grad[1])
+            layer._record("grad_output", s_g, a_g, c_g)
             inv_g = s_g.reciprocal()                                  # g_q (M, N) e5m2, g_t (N, M)
             grad_x = grad_w = None
             if ctx.needs_input_grad[0]:
@@ -79,8 +87,10 @@ class Fp8Linear(nn.Linear):
 
     ``config`` says how scales are found (current or delayed); ``backend`` is ``"scaled_mm"``
     (``torch._scaled_mm`` on float8 tensors) or ``"emulate"`` (the same quantization through
-    ``formats.quantize`` and an fp32 matmul). Scale state changes only in training mode with grad
-    enabled (and in backward), so evaluation leaves it untouched. No host syncs.
+    ``formats.quantize`` and an fp32 matmul). Scale state changes only in backward: a forward in
+    training mode with grad enabled enters its input and weight casts there, with the output
+    gradient's. So evaluation leaves it untouched, and under ``torch.utils.checkpoint`` (reentrant or
+    not) each real forward is recorded once and its recompute casts bit for bit as it did. No host syncs.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -122,26 +132,34 @@ class Fp8Linear(nn.Linear):
                                      persistent=False)
 
     # ------------------------------------------------------------------------------- numerics
-    def _scale(self, role: str, x: torch.Tensor, record: bool) -> torch.Tensor:
+    def _scale(self, role: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, amax)`` for casting ``x`` now; reads the scale state, changes nothing."""
         cfg, fmt = self.fp8_config, ROLES[role]
         amax = amax_f32(x)
         if cfg.delayed:
             history = getattr(self, f"{role}_history")
             scale = delayed_scale(history, amax, getattr(self, f"{role}_scale"), fmt, algo=cfg.amax,
                                   margin=cfg.margin, pow2=cfg.pow2)
-            if record:
-                record_amax(history, amax)
         else:
             scale = current_scale(amax, fmt, margin=cfg.margin, pow2=cfg.pow2)
-        if record:
-            getattr(self, f"{role}_scale").copy_(scale)
-            getattr(self, f"{role}_amax").copy_(amax)
-        return scale
+        return scale, amax
 
-    def _cast(self, role: str, x: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fp8 values of x * scale, scale)``: float8 tensors, or fp32 ones when emulating."""
+    def _record(self, role: str, scale: torch.Tensor, amax: torch.Tensor, counts: torch.Tensor | None) -> None:
+        """Enter one cast into the scale state: amax history (delayed), last scale and amax, counts."""
+        if self.fp8_config.delayed:
+            record_amax(getattr(self, f"{role}_history"), amax)
+        getattr(self, f"{role}_scale").copy_(scale)
+        getattr(self, f"{role}_amax").copy_(amax)
+        if counts is not None:
+            getattr(self, f"{role}_counts").add_(counts)
+
+    def _cast(self, role: str, x: torch.Tensor, record: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(fp8 values of x * scale, scale, amax, range counts or None)``; the values are float8
+        tensors, or fp32 ones when emulating. Nothing is recorded here (``_record`` does that)."""
         fmt = ROLES[role]
-        scale = self._scale(role, x, record)
+        scale, amax = self._scale(role, x)
+        counts = None
         if record and self.count_ranges:
             y = x.detach().to(torch.float32) * scale
             mag = y.abs()
@@ -150,30 +168,31 @@ class Fp8Linear(nn.Linear):
             flushed = ((mag <= fmt.min_subnormal / 2) & (y != 0)).sum()
             rounded = quantize(y, fmt, saturate=False)
             saturated = (torch.isfinite(y) & ~(rounded.abs() <= fmt.max)).sum()
-            counts = getattr(self, f"{role}_counts")
-            counts += torch.stack([flushed, saturated, torch.tensor(y.numel(), device=y.device)])
+            counts = torch.stack([flushed, saturated, torch.tensor(y.numel(), device=y.device)])
         cast = cast_to_fp8 if self.backend == "scaled_mm" else quantize_fp8
-        return cast(x, scale, fmt), scale
+        return cast(x, scale, fmt), scale, amax, counts
 
-    def _cast_pair(self, role: str, x: torch.Tensor, record: bool,
-                   want_t: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(q, q^T, scale)``: ``_cast`` plus the transpose backward multiplies by.
+    def _cast_pair(self, role: str, x: torch.Tensor, record: bool, want_t: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(q, q^T, scale, amax, counts or None)``: ``_cast`` plus the transpose backward multiplies by.
 
         Fused (``fused_casts``, eager, no range counting): one compiled kernel writes ``q`` and a
         contiguous ``q^T``. Otherwise ``q^T`` is a view and ``scaled_mm`` makes the layout it needs.
         Inside a model the user compiles, the plain functions are traced and Inductor fuses them.
+        Neither records: the caller enters the cast into the scale state with ``_record``.
         """
         if self.fused_casts and not self.count_ranges and not torch.compiler.is_compiling():
             cfg = self.fp8_config
             history = getattr(self, f"{role}_history") if cfg.delayed else None
             # detach(): a plain tensor, so one dynamic-shape graph serves weights (Parameters get
             # static shapes in torch.compile: a recompile per weight shape) and activations alike.
-            q, q_t, scale = fused_cast(x.detach(), getattr(self, f"{role}_scale"), getattr(self, f"{role}_amax"),
-                                       history, ROLES[role], algo=cfg.amax, margin=cfg.margin, pow2=cfg.pow2,
-                                       record=record, want_t=want_t)
-            return q, (q_t if q_t is not None else q.t()), scale
-        q, scale = self._cast(role, x, record)
-        return q, q.t(), scale
+            q, q_t, scale, amax = fused_cast(x.detach(), getattr(self, f"{role}_scale"),
+                                             getattr(self, f"{role}_amax"), history, ROLES[role],
+                                             algo=cfg.amax, margin=cfg.margin, pow2=cfg.pow2,
+                                             record=False, want_t=want_t)
+            return q, (q_t if q_t is not None else q.t()), scale, amax, None
+        q, scale, amax, counts = self._cast(role, x, record)
+        return q, q.t(), scale, amax, counts
 
     def _mm(self, a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
             out_dtype: torch.dtype) -> torch.Tensor:
@@ -187,11 +206,15 @@ class Fp8Linear(nn.Linear):
         record = self.training and torch.is_grad_enabled()
         x2d = x.reshape(-1, self.in_features)                        # (M, K)
         with torch.autocast(device_type, enabled=False):             # the emulation's fp32 mm stays fp32
-            out = _Fp8LinearFn.apply(x2d, self.weight, self, out_dtype, record)   # (M, N)
+            out = _Fp8LinearFn.apply(x2d, self._weight_out_in(), self, out_dtype, record)   # (M, N)
         out = out.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    def _weight_out_in(self) -> torch.Tensor:
+        """The weight as ``(out, in)``; a layer that stores it transposed returns a view (fp8/conv1d.py)."""
+        return self.weight
 
     # ---------------------------------------------------------------------------------- state
     def fp8_state(self) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Which ``nn.Linear`` layers become fp8, the swap itself, and a typed report of every decision.
 
 A layer is swapped for an ``Fp8Linear`` when it is exactly ``nn.Linear`` (subclasses have forwards of
-their own), both weight dimensions are multiples of 16 (fp8 tensor-core GEMMs need it), and nothing
+their own) or Hugging Face's ``Conv1D`` (GPT-2's linear with a transposed weight, swapped for an
+``Fp8Conv1D``: fp8/conv1d.py), both weight dimensions are multiples of 16 (fp8 tensor-core GEMMs need it), and nothing
 excludes it: a ``skip`` glob on its qualified name, ``skip_first``/``skip_last`` (the first/last
 ``nn.Linear`` in module registration order), a user ``filter(name, module) -> bool``, or a pure
 recipe's ``fp32_modules``. ``force`` names layers that must be fp8: an error if one cannot be::
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from ..recipe.fp8 import Fp8Config
+from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .linear import Fp8Linear
 from .matmul import probe_scaled_mm
 
@@ -118,7 +120,7 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
     recipe keeps it fp32. ValueError for a forced layer that does not exist or cannot be fp8 (its
     shape is named). Parameters are shared, not copied.
     """
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
     names = [n for n, _ in linears]
     for name in config.force:
         if name not in names:
@@ -128,11 +130,11 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
                                 f"; its linears are: {', '.join(names) or 'none'}"))
     decisions, replace = [], {}
     for i, (name, module) in enumerate(linears):
-        out_f, in_f = module.weight.shape
+        out_f, in_f = _out_in(module)
         reason, detail = _decide(i, len(linears), name, module, config, filter, keeps_fp32)
-        if reason is Fp8Reason.FORCED and type(module) is not nn.Linear:
+        if reason is Fp8Reason.FORCED and not _swappable(module):
             raise ValueError(f"fp8 forced on {name!r}, a {type(module).__name__}: only plain nn.Linear "
-                             "layers can be swapped (a subclass's forward would be lost)")
+                             "layers and HF Conv1D can be swapped (a subclass's forward would be lost)")
         if reason is Fp8Reason.FORCED and (out_f % _ALIGN or in_f % _ALIGN):
             raise ValueError(
                 f"fp8 forced on {name!r}, an nn.Linear with weight shape ({out_f}, {in_f}) (out, in): fp8 "
@@ -140,7 +142,8 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
                 f"({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})) or drop it from force=")
         decisions.append(Fp8LayerDecision(name, out_f, in_f, reason, detail))
         if reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
-            replace[id(module)] = Fp8Linear.from_linear(module, config, backend)
+            replace[id(module)] = (Fp8Conv1D.from_conv1d(module, config, backend) if is_hf_conv1d(module)
+                                   else Fp8Linear.from_linear(module, config, backend))
     # Replace every reference (a module shared by two parents is swapped in both).
     for parent in model.modules():
         for child_name, child in list(parent.named_children()):
@@ -152,12 +155,12 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
 def _decide(i: int, n: int, name: str, module: nn.Module, config: Fp8Config,
             filter: Callable[[str, nn.Module], bool] | None,
             keeps_fp32: Callable[[nn.Module], bool] | None) -> tuple[Fp8Reason, str]:
-    out_f, in_f = module.weight.shape
+    out_f, in_f = _out_in(module)
     if name == "":
         return Fp8Reason.ROOT, ""
     if name in config.force:
         return Fp8Reason.FORCED, ""
-    if type(module) is not nn.Linear:
+    if not _swappable(module):
         return Fp8Reason.SUBCLASS, type(module).__name__
     if keeps_fp32 is not None and keeps_fp32(module):
         return Fp8Reason.FP32, ""
@@ -173,3 +176,15 @@ def _decide(i: int, n: int, name: str, module: nn.Module, config: Fp8Config,
     if out_f % _ALIGN or in_f % _ALIGN:
         return Fp8Reason.SHAPE, f"pad to ({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})"
     return Fp8Reason.SWAPPED, ""
+
+
+def _out_in(module: nn.Module) -> tuple[int, int]:
+    """``(out, in)`` features: nn.Linear stores its weight (out, in), HF Conv1D (in, out)."""
+    out_f, in_f = module.weight.shape
+    return (in_f, out_f) if is_hf_conv1d(module) else (out_f, in_f)
+
+
+def _swappable(module: nn.Module) -> bool:
+    # Exactly nn.Linear (a subclass has a forward of its own), or HF's Conv1D (a linear with a
+    # transposed weight: fp8/conv1d.py).
+    return type(module) is nn.Linear or is_hf_conv1d(module)

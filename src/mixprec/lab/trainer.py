@@ -28,6 +28,7 @@ from ..devices import resolve_device
 from ..diagnostics.memory import MemoryBreakdown, SavedTensorMeter, state_bytes
 from ..distributed.parallel import shard_model, wrap_ddp
 from ..engine import MixedPrecision
+from ..model_io import output_logits, predictions
 from ..recipe import Recipe, get_recipe
 from .workloads import Workload, get_workload
 
@@ -179,7 +180,7 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
         with SavedTensorMeter(model, mp.master.masters if mp.master else []) if step == 0 \
                 else contextlib.nullcontext() as meter:
             with mp.autocast():
-                loss = workload.loss_fn(forward(data.x_train[idx]), data.y_train[idx])
+                loss = workload.loss_fn(predictions(forward(data.x_train[idx])), data.y_train[idx])
             mp.backward(loss)
         result = mp.step()
         if step == 0:
@@ -245,7 +246,9 @@ def _evaluate(workload: Workload, model: nn.Module, mp: MixedPrecision, x: torch
     model.eval()
     try:
         with mp.autocast():
-            outputs = torch.cat([model(x[i:i + _EVAL_BATCH]) for i in range(0, len(x), _EVAL_BATCH)])
+            # An HF model returns a ModelOutput: its logits are the predictions (model_io).
+            outputs = torch.cat([output_logits(model(x[i:i + _EVAL_BATCH]))
+                                 for i in range(0, len(x), _EVAL_BATCH)])
     finally:
         model.train()
     # Low-compute recipes already hand back fp32 outputs (casting hooks); fp32 here keeps metrics exact.

@@ -2,8 +2,10 @@
 
 ``mixprec compare --workload my_workloads:tiny`` imports ``my_workloads`` (the current directory comes
 first on the path, as with ``python -m``), calls ``tiny()`` with no arguments, and accepts either a
-``Workload`` or a dict; see ``tests/user_workload_example.py`` and the README. Every way a function can
-break the protocol is a ValueError/TypeError that names the function and what to return instead.
+``Workload`` or a dict; see ``tests/user_workload_example.py`` and the README. A model may return a
+tensor or, as Hugging Face models do, a dict/dataclass with ``logits``: the loss and the metric then
+get the logits. Every way a function can break the protocol is a ValueError/TypeError that names the
+function and what to return instead.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import functools
 import importlib
 import inspect
 import os
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..model_io import predictions
 from .workloads import Split, Workload, accuracy
 
 __all__ = ["load_user_workload"]
@@ -136,11 +140,18 @@ def _workload_from_dict(spec: str, d: dict[str, Any]) -> Workload:
         name=spec.strip(),
         summary=d.get("summary", f"{type(pristine).__name__} ({n_params:,} parameters) from {spec.strip()}, "
                                  f"{len(data.y_train)} train / {len(data.y_test)} test rows"),
-        build_model=build_model, load_data=lambda: data, loss_fn=d["loss"], make_optimizer=d["optimizer"],
+        build_model=build_model, load_data=lambda: data,
+        loss_fn=functools.partial(_loss_on_predictions, d["loss"]), make_optimizer=d["optimizer"],
         metric=metric, metric_name=d.get("metric_name", getattr(metric, "__name__", "metric")),
         higher_is_better=d.get("higher_is_better", True), batch_size=d.get("batch_size", 64),
         default_steps=d.get("steps", 500), tokens_per_sample=d.get("tokens_per_sample", 0),
     )
+
+
+def _loss_on_predictions(loss: Callable[..., Any], outputs: Any, targets: Any) -> Any:
+    # A model that returns a dict/dataclass with logits (an HF ModelOutput) hands its logits to the
+    # user's loss, in every tool (compare, doctor, inspect, trace); other outputs pass as they are.
+    return loss(predictions(outputs), targets)
 
 
 def _check_types(where: str, d: dict[str, Any], types: dict[str, type]) -> None:
