@@ -244,9 +244,11 @@ class MixedPrecision:
         Forces one host sync on the generic path (to decide whether to call ``optimizer.step()``),
         none on the fused path. The result's properties sync when read.
         """
-        if self.master is not None:
-            self.master.pull_grads()
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.master is not None and self._step_observers:
+            self.master.pull_grads()     # observers read the fp32 copies whole: no chunking then
+        # What backward made, in the optimizer's order: 16-bit gradients of weights with fp32 copies
+        # (cast to fp32 per chunk inside the step, never all at once), fp32 gradients of the rest.
+        grads = self._grads()
         if not grads:
             raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
         scale = self.loss_scale.value
@@ -263,28 +265,26 @@ class MixedPrecision:
             clip = (self.clip_grad_norm / (grad_norm + _CLIP_EPS)).clamp(max=1.0)
             divisor = scale / clip
 
+        deferred_push = self.master is not None and bool(self._step_observers)
         if self._fused_step_ok():
             self.optimizer.grad_scale = divisor                       # type: ignore[attr-defined]
             self.optimizer.found_inf = found_inf.to(torch.float32)    # type: ignore[attr-defined]
             try:
-                self.optimizer.step()
+                self._update(None, deferred_push)
             finally:
                 del self.optimizer.grad_scale, self.optimizer.found_inf  # type: ignore[attr-defined]
             stepped = True
         else:
             stepped = not bool(found_inf)   # the one host sync of the generic path
             if stepped:
-                if divisor is not None:
-                    # Every gradient the optimizer holds is fp32 here: pure recipes step on fp32 copies.
-                    torch._foreach_mul_(grads, 1.0 / divisor)
-                self.optimizer.step()
+                self._update(None if divisor is None else 1.0 / divisor, deferred_push)
             else:
                 # An LR scheduler stepping next to us would warn that optimizer.step() was never
                 # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
         for observer in self._step_observers.values():
             observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
-        if self.master is not None and (stepped or not self.master.keep):
+        if deferred_push and (stepped or not self.master.keep):
             self.master.push_weights()
         if self._nonfinite is not None:
             # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
@@ -294,6 +294,23 @@ class MixedPrecision:
         if not stepped and isinstance(self.loss_scale, DynamicLossScale):
             self.loss_scale.warn_if_at_floor()
         return StepResult(found_inf, self.loss_scale.value.clone(), grad_norm)
+
+    def _grads(self) -> list[torch.Tensor]:
+        if self.master is not None and not self._step_observers:
+            return self.master.grads(self.optimizer)
+        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def _update(self, inv_divisor: torch.Tensor | None, deferred_push: bool) -> None:
+        """Step the optimizer on gradients times ``inv_divisor`` (None: as they are). With fp32 copies
+        the master steps them chunk by chunk (``MasterWeights.step``) and rounds each chunk into the
+        model, unless observers must see the copies first (``deferred_push``)."""
+        if self.master is None or deferred_push:
+            if inv_divisor is not None:
+                # Every gradient the optimizer holds is fp32 here (copies filled by pull_grads).
+                torch._foreach_mul_(self._grads(), inv_divisor)
+            self.optimizer.step()
+        else:
+            self.master.step(self.optimizer, self.optimizer.step, inv_divisor)
 
     def _fused_step_ok(self) -> bool:
         """True when the optimizer can divide, clip and skip inside its own fused kernel."""

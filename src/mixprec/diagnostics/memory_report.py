@@ -122,8 +122,7 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBre
             # A stand-in optimizer (plain SGD makes no state): the engine needs one to wire masters.
             mp = MixedPrecision(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), recipe)
             activations = _one_step(mp, shadow, fake_in, fake_targets, loss_fn)
-            if mp.master is not None and mp.master.keep:
-                mp.master.pull_grads()    # the fp32 copies' gradients exist from step() on
+            # No fp32 gradient outlives step(): the copies' gradients are transients of one chunk.
             return dataclasses.replace(state_bytes(mp), optimizer=0, activations=activations)
     except (RuntimeError, NotImplementedError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
