@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .casting import cast_model, keeps_fp32, low_precision_params
+from .compact_adamw import CompactAdamW
 from .devices import supports
 from .distributed import GradSync, SyncKind, local_shard
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
@@ -41,6 +42,7 @@ from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scal
 from .master import MasterWeights
 from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
+from .recipe_moments import Moments
 
 if TYPE_CHECKING:   # for the annotation only: the tracer is imported when trace_nonfinite=True
     from .diagnostics.nonfinite import NonfiniteOrigin
@@ -172,6 +174,14 @@ class MixedPrecision:
         if self.recipe.param.is_low and not self.grad_sync.fsdp:
             self.master = MasterWeights(low, optimizer, keep=self.recipe.master is not None,
                                         rounding=self.recipe.rounding, seed=seed)
+        # moments=bf16|bf16-sr|fp8: the engine steps its own AdamW with compact moments (compact_adamw.py).
+        self.moments: CompactAdamW | None = None
+        if self.recipe.moments is not Moments.FP32:
+            if self.grad_sync.fsdp:
+                raise ValueError(f"moments={self.recipe.moments.value} is not supported under FSDP2 yet; "
+                                 "use moments=fp32 there")
+            self.moments = CompactAdamW(optimizer, self.recipe.moments, seed=seed,
+                                        numel=self.master.numel_of if self.master else torch.Tensor.numel)
         self.fp8_report: Fp8SwapReport | None = None
         if self.recipe.fp8 is not None:
             backend, note = resolve_backend(self.recipe.fp8, self.device)
@@ -304,17 +314,23 @@ class MixedPrecision:
         """Step the optimizer on gradients times ``inv_divisor`` (None: as they are). With fp32 copies
         the master steps them chunk by chunk (``MasterWeights.step``) and rounds each chunk into the
         model, unless observers must see the copies first (``deferred_push``)."""
+        step_fn = self.optimizer.step
+        if self.moments is not None:
+            step_fn = self.moments.step
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers: it stepped
         if self.master is None or deferred_push:
             if inv_divisor is not None:
                 # Every gradient the optimizer holds is fp32 here (copies filled by pull_grads).
                 torch._foreach_mul_(self._grads(), inv_divisor)
-            self.optimizer.step()
+            step_fn()
         else:
-            self.master.step(self.optimizer, self.optimizer.step, inv_divisor)
+            self.master.step(self.optimizer, step_fn, inv_divisor)
 
     def _fused_step_ok(self) -> bool:
         """True when the optimizer can divide, clip and skip inside its own fused kernel."""
         opt = self.optimizer
+        if self.moments is not None:        # the engine's own AdamW takes the generic path
+            return False
         if not getattr(opt, "_step_supports_amp_scaling", False):
             return False
         if not all(g.get("fused") for g in opt.param_groups):
@@ -382,14 +398,15 @@ class MixedPrecision:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything mixprec owns: recipe, loss scale, master weights, stochastic-rounding generator,
-        fp8 scale state (scales, amax histories) per fp8 layer.
+        fp8 scale state (scales, amax histories) per fp8 layer, compact Adam moments (``moments=``).
 
         The model's and the optimizer's own state dicts are theirs to save (``save_checkpoint`` saves
         all of it together).
         """
         return {"recipe": str(self.recipe), "loss_scale": self.loss_scale.state_dict(),
                 "master": self.master.state_dict() if self.master is not None else None,
-                "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None}
+                "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None,
+                "moments": self.moments.state_dict() if self.moments is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("recipe") != str(self.recipe):
@@ -400,3 +417,5 @@ class MixedPrecision:
             self.master.load_state_dict(state["master"])
         if self.fp8_report is not None:
             load_fp8_state_dict(self.model, state["fp8"])
+        if self.moments is not None:
+            self.moments.load_state_dict(state["moments"])

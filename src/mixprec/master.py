@@ -104,6 +104,11 @@ class MasterWeights:
                     out.append(g)
         return out
 
+    def numel_of(self, t: torch.Tensor) -> int:
+        """Elements of ``t``; for an fp32 copy, of the weight it stands for (transient ones are empty)."""
+        i = self._index.get(id(t))
+        return t.numel() if i is None else self.model_params[i].numel()
+
     def pull_grads(self, which: list[int] | None = None) -> None:
         """Cast the model's low-precision gradients into the fp32 copies (and, transient, the weights).
 

@@ -22,6 +22,7 @@ import torch
 
 from .oplists import OpPolicy, check_op_names
 from .recipe_fp8 import Fp8Config
+from .recipe_moments import Moments
 from .recipe_scale import LossScaleConfig
 
 __all__ = [
@@ -116,8 +117,11 @@ class Recipe:
     follow_ops: tuple[str, ...] = ()
     modules: tuple[tuple[str, Precision], ...] = ()
     fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe_fp8.py)
+    moments: Moments = Moments.FP32  # Adam's moments: fp32 (the user's optimizer) or compact (recipe_moments.py)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.moments, Moments):
+            raise TypeError(f"Recipe.moments must be a Moments, got {self.moments!r}")
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(f"Recipe.fp8 must be an Fp8Config or None, got {self.fp8!r}")
         self._check_op_lists_and_modules()
@@ -205,6 +209,8 @@ class Recipe:
             parts.append("modules=" + "+".join(f"{p}:{prec.value}" for p, prec in self.modules))
         if self.fp8 is not None:
             parts.append(f"fp8={self.fp8}")
+        if self.moments is not Moments.FP32:
+            parts.append(f"moments={self.moments.value}")
         return ",".join(parts)
 
 
@@ -224,7 +230,7 @@ RECIPES: dict[str, Recipe] = {
     "fp8-delayed": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("delayed")),
 }
 
-_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8")
+_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8", "moments")
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:
@@ -243,7 +249,8 @@ def parse_recipe(text: str) -> Recipe:
     ``scale`` (none | static:V | dynamic[(opts)]; default dynamic for fp16 compute, else none),
     ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none),
     ``fp32_ops``/``low_ops``/``follow_ops`` (op names joined by ``+``), ``modules`` (``PATTERN:PRECISION``
-    joined by ``+``), ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none).
+    joined by ``+``), ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none),
+    ``moments`` (fp32|bf16|bf16-sr|fp8: Adam's moments, see ``recipe_moments``; default fp32).
     A named recipe may lead, and the keys after it change it: ``bf16,fp32_ops=softmax`` is bf16 with
     softmax in fp32.
     """
@@ -290,7 +297,12 @@ def parse_recipe(text: str) -> Recipe:
         fp8 = Fp8Config.parse(fields["fp8"])
     return Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
                   fp32_modules=modules, fp8=fp8, _explicit_none=fields.get("scale") == "none",
-                  **_op_list_fields(fields))
+                  **_op_list_fields(fields), **_moments_field(fields))
+
+
+def _moments_field(fields: dict[str, str]) -> dict:
+    """``moments`` from its word (recipe_moments.py), when given."""
+    return {"moments": Moments.parse(fields["moments"])} if "moments" in fields else {}
 
 
 def _op_list_fields(fields: dict[str, str]) -> dict:
@@ -311,11 +323,12 @@ def _op_list_fields(fields: dict[str, str]) -> dict:
 
 def _edit_named(base: Recipe, fields: dict[str, str], text: str) -> Recipe:
     """A named recipe changed by op-list and module keys only (``bf16,fp32_ops=softmax``)."""
-    other = sorted(set(fields) - {*_OP_KEYS, "modules"})
+    other = sorted(set(fields) - {*_OP_KEYS, "modules", "moments"})
     if other:
-        raise ValueError(f"after a named recipe only {', '.join([*_OP_KEYS, 'modules'])} may follow, got "
-                         f"{', '.join(other)} in {text!r}; spell the recipe in full (params=..,compute=..)")
-    return dataclasses.replace(base, **_op_list_fields(fields))
+        raise ValueError(f"after a named recipe only {', '.join([*_OP_KEYS, 'modules', 'moments'])} may "
+                         f"follow, got {', '.join(other)} in {text!r}; spell the recipe in full "
+                         "(params=..,compute=..)")
+    return dataclasses.replace(base, **_op_list_fields(fields), **_moments_field(fields))
 
 
 def split_top_level(text: str) -> list[str]:

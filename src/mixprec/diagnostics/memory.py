@@ -75,6 +75,8 @@ def state_bytes(engine) -> MemoryBreakdown:
     params = list(model.parameters()) + list(model.buffers())
     grads = [p.grad for p in model.parameters()] + [m.grad for m in masters]
     state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if getattr(engine, "moments", None) is not None:    # compact Adam moments the engine holds
+        state += engine.moments.tensors()
     return MemoryBreakdown(
         params=storage_bytes(params),
         grads=storage_bytes(grads),

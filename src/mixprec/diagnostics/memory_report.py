@@ -34,11 +34,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import MixedPrecision
+from ..compact_adamw import moment_bytes
 from ..recipe import Precision, Recipe, get_recipe
+from ..recipe_moments import Moments
 from .memory import MemoryBreakdown, SavedTensorMeter, state_bytes
 from .shadow import meta_like, shadow_copy
 
-__all__ = ["MemoryReport", "memory_report", "predict_optimizer_bytes"]
+__all__ = ["MemoryReport", "memory_report", "predict_optimizer_bytes", "predict_moment_bytes"]
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]
 
@@ -79,8 +81,14 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
                          "memory to report")
     # TF32 changes how matmuls round, not what is stored: predict it as fp32 (which runs on any device).
     traced = dataclasses.replace(recipe, compute=Precision.FP32) if recipe.compute is Precision.TF32 else recipe
+    # The moments' format changes the optimizer's state only (predicted below), not what the step traces.
+    traced = dataclasses.replace(traced, moments=Moments.FP32)
     predicted = _predict(model, traced, batch, loss_fn)
-    predicted = dataclasses.replace(predicted, optimizer=predict_optimizer_bytes(optimizer, model))
+    if recipe.moments is Moments.FP32:
+        optimizer_bytes = predict_optimizer_bytes(optimizer, model)
+    else:   # the engine's own AdamW holds the moments: its format says their size
+        optimizer_bytes = predict_moment_bytes(recipe.moments, optimizer, model)
+    predicted = dataclasses.replace(predicted, optimizer=optimizer_bytes)
     measured = _measure(model, recipe, batch, optimizer, loss_fn) if measure else None
     return MemoryReport(str(recipe), recipe.label, sum(p.numel() for p in params), predicted, measured)
 
@@ -176,6 +184,19 @@ def predict_optimizer_bytes(optimizer: OptimizerSpec, model: nn.Module) -> int:
     return total
 
 
+def predict_moment_bytes(fmt: Moments, optimizer: OptimizerSpec, model: nn.Module) -> int:
+    """Bytes of compact Adam moments (``moments=`` in the recipe): two per trainable tensor, in ``fmt``
+    (bf16: 2 + 2 B per element; fp8: 1 + 1 B plus an fp32 scale per 128). The step counts are
+    Python ints: no tensor."""
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, torch.optim.Optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    return sum(2 * moment_bytes(fmt, p.numel()) for p in params)
+
+
 def _state_bytes(state: dict) -> int:
     return sum(v.untyped_storage().nbytes() for v in state.values() if isinstance(v, torch.Tensor))
 
@@ -210,6 +231,7 @@ def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerS
     params = list(model.parameters())
     if optimizer is None:
         opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+        recipe = dataclasses.replace(recipe, moments=Moments.FP32)    # no optimizer: no moments either
     else:
         opt = _rebuild(optimizer, params, list(twin.parameters()))
     device = params[0].device
