@@ -103,6 +103,7 @@ def test_predicted_memory_equals_measured_on_cpu(recipe):
     batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
     report = memory_report(model, recipe, batch, optimizer=adam, loss_fn=F.cross_entropy, measure=True)
     assert report.measured == report.predicted
+    assert report.saved == report.saved_measured and sum(b for *_, b in report.saved) == report.predicted.activations
     assert report.predicted.activations > 0 and report.predicted.optimizer > 0
 
 
@@ -141,3 +142,18 @@ def test_memory_report_bad_input():
         memory_report(tiny_model(), "fp32", torch.randn(2, 8), optimizer="adam")
     with pytest.raises(ValueError, match=r"\(inputs, targets\)"):
         memory_report(tiny_model(), "fp32", torch.randn(2, 8), loss_fn=F.cross_entropy)
+
+
+def test_saved_activations_split_by_op_and_dtype_by_hand():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    x = torch.randn(8, 4)
+    with SavedTensorMeter(model) as meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+    # addmm 1 saves autocast's bf16 copy of x (8x4x2 B; x needs no grad, so its cast has no grad_fn);
+    # relu saves its output (8x3x2), which addmm 2 saves too (counted once), and addmm 2 saves the
+    # bf16 copy of its weight (2x3x2) to give x's path its gradient.
+    assert meter.groups == {("no grad_fn", "bfloat16"): 64, ("Relu", "bfloat16"): 48,
+                            ("cast of a weight", "bfloat16"): 12}
+    assert meter.by_dtype == {"bfloat16": 124} and meter.bytes == 124

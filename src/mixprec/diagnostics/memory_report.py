@@ -37,7 +37,7 @@ from ..engine import MixedPrecision
 from ..compact_adamw import moment_bytes
 from ..recipe import Precision, Recipe, get_recipe
 from ..recipe_moments import Moments
-from .memory import MemoryBreakdown, SavedTensorMeter, state_bytes
+from .memory import MemoryBreakdown, SavedTensorMeter, saved_by, state_bytes
 from .shadow import meta_like, shadow_copy
 
 __all__ = ["MemoryReport", "memory_report", "predict_optimizer_bytes", "predict_moment_bytes"]
@@ -54,6 +54,17 @@ class MemoryReport:
     n_params: int                        # trainable parameter elements
     predicted: MemoryBreakdown
     measured: MemoryBreakdown | None = None
+    # Saved activations split by (op that made them, dtype): ((op, dtype, bytes), ...), largest first.
+    saved: tuple[tuple[str, str, int], ...] = ()
+    saved_measured: tuple[tuple[str, str, int], ...] | None = None
+
+    @property
+    def saved_by_dtype(self) -> dict[str, int]:
+        """Predicted saved-activation bytes by dtype name: what a 16-bit recipe still saves in fp32."""
+        out: dict[str, int] = {}
+        for _, dtype, nbytes in self.saved:
+            out[dtype] = out.get(dtype, 0) + nbytes
+        return out
 
     @property
     def bytes_per_param(self) -> float:
@@ -83,14 +94,15 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
     traced = dataclasses.replace(recipe, compute=Precision.FP32) if recipe.compute is Precision.TF32 else recipe
     # The moments' format changes the optimizer's state only (predicted below), not what the step traces.
     traced = dataclasses.replace(traced, moments=Moments.FP32)
-    predicted = _predict(model, traced, batch, loss_fn)
+    predicted, saved = _predict(model, traced, batch, loss_fn)
     if recipe.moments is Moments.FP32:
         optimizer_bytes = predict_optimizer_bytes(optimizer, model)
     else:   # the engine's own AdamW holds the moments: its format says their size
         optimizer_bytes = predict_moment_bytes(recipe.moments, optimizer, model)
     predicted = dataclasses.replace(predicted, optimizer=optimizer_bytes)
-    measured = _measure(model, recipe, batch, optimizer, loss_fn) if measure else None
-    return MemoryReport(str(recipe), recipe.label, sum(p.numel() for p in params), predicted, measured)
+    measured, saved_measured = _measure(model, recipe, batch, optimizer, loss_fn) if measure else (None, None)
+    return MemoryReport(str(recipe), recipe.label, sum(p.numel() for p in params), predicted, measured,
+                        saved, saved_measured)
 
 
 def _split(batch: Any, loss_fn) -> tuple[Any, Any]:
@@ -111,17 +123,18 @@ def _loss(out: Any, targets: Any, loss_fn) -> torch.Tensor:
     return sum(t.float().sum() for t in floats)
 
 
-def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, loss_fn) -> int:
-    """Forward and backward under ``mp``; returns the activation bytes autograd saved."""
+def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, loss_fn
+              ) -> tuple[int, tuple[tuple[str, str, int], ...]]:
+    """Forward and backward under ``mp``; returns the activation bytes autograd saved, and their split."""
     with SavedTensorMeter(model, mp.master.masters if mp.master else []) as meter:
         with mp.autocast():
             args = inputs if isinstance(inputs, tuple) else (inputs,)
             loss = _loss(model(*args), targets, loss_fn)
         mp.backward(loss)
-    return meter.bytes
+    return meter.bytes, saved_by(meter.groups)
 
 
-def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBreakdown:
+def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn):
     inputs, targets = _split(batch, loss_fn)
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes():
@@ -129,9 +142,9 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn) -> MemoryBre
             fake_in, fake_targets = meta_like((inputs, targets), "cpu")   # one memo: aliases stay
             # A stand-in optimizer (plain SGD makes no state): the engine needs one to wire masters.
             mp = MixedPrecision(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), recipe)
-            activations = _one_step(mp, shadow, fake_in, fake_targets, loss_fn)
+            activations, saved = _one_step(mp, shadow, fake_in, fake_targets, loss_fn)
             # No fp32 gradient outlives step(): the copies' gradients are transients of one chunk.
-            return dataclasses.replace(state_bytes(mp), optimizer=0, activations=activations)
+            return dataclasses.replace(state_bytes(mp), optimizer=0, activations=activations), saved
     except (RuntimeError, NotImplementedError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot predict the memory of {type(model).__name__}: tracing it with fake "
@@ -223,7 +236,7 @@ def _rebuild(optimizer: OptimizerSpec, params: list[nn.Parameter], twins: list[t
                     f"got {type(optimizer).__name__}")
 
 
-def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerSpec, loss_fn) -> MemoryBreakdown:
+def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerSpec, loss_fn):
     """One real step on a deep copy of ``model``, counted as ``mixprec compare`` counts its first step."""
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("measure=True needs a model with real weights; this one is on the meta device")
@@ -239,9 +252,9 @@ def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerS
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     mp = MixedPrecision(twin, opt, recipe)
-    activations = _one_step(mp, twin, inputs, targets, loss_fn)
+    activations, saved = _one_step(mp, twin, inputs, targets, loss_fn)
     mp.step()
     measured = dataclasses.replace(state_bytes(mp), activations=activations)
     if device.type == "cuda":
         measured = dataclasses.replace(measured, peak=torch.cuda.max_memory_allocated(device))
-    return measured
+    return measured, saved

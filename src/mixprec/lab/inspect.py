@@ -26,6 +26,8 @@ JSON schema, version 1 (strict JSON: non-finite floats as "NaN"/"Infinity" strin
       bytes_per_param  float   (weights + grads + master + optimizer) / n_params, predicted
       predicted        object  params, grads, master, optimizer, activations (int bytes), peak (null)
       measured         object|null  the same, from one real step (peak: CUDA allocator peak or null)
+      saved            list    predicted saved activations split by op (the op that made the tensor,
+                               autograd's name) and dtype: op str, dtype str, bytes int; largest first
     matmul_flops       int     FLOPs of every matmul/convolution of one forward+backward
     misaligned_share   object  {"8": fraction, "16": fraction}: FLOPs share in ops with a dim that is
                                not a multiple of 8 (fp16/bf16) or 16 (fp8)
@@ -103,7 +105,8 @@ class InspectReport:
             "memory": [{"recipe": m.recipe, "label": m.label, "n_params": m.n_params,
                         "bytes_per_param": m.bytes_per_param,
                         "predicted": dataclasses.asdict(m.predicted),
-                        "measured": None if m.measured is None else dataclasses.asdict(m.measured)}
+                        "measured": None if m.measured is None else dataclasses.asdict(m.measured),
+                        "saved": [{"op": op, "dtype": dt, "bytes": b} for op, dt, b in m.saved]}
                        for m in self.memory],
             "matmul_flops": tc.total_flops,
             "misaligned_share": {str(k): tc.misaligned_share(k) for k in (8, 16)},
@@ -283,6 +286,13 @@ def render_notes(report: InspectReport) -> list[str]:
         top = next((k for k in prof.kernels if k.tensor_cores), None)
         lines.append(f"{names.get(recipe, recipe)} on {report.device}: {prof.tensor_core_share:.0%} of GPU "
                      f"kernel time in tensor-core kernels" + (f" (longest: {top.name[:60]})" if top else ""))
+    for m in report.memory:      # a 16-bit recipe's fp32 activations, by the op that made them
+        fp32 = [(op, b) for op, dt, b in m.saved if dt == "float32"]
+        total = m.predicted.activations
+        if fp32 and total and any(dt in ("float16", "bfloat16") for _, dt, _ in m.saved):
+            in_fp32 = sum(b for _, b in fp32)
+            lines.append(f"{names[m.recipe]}: {in_fp32 / total:.0%} of saved activations in fp32 "
+                         f"({format_bytes(in_fp32)}): " + ", ".join(f"{op} {format_bytes(b)}" for op, b in fp32[:3]))
     lines += [f"note: {n}" for n in report.notes]
     lines.append("weights + grads + master + optim = B/par x parameters; activations: tensors "
                  "autograd saves for the backward; attention is traced on its math path (a fused GPU "
