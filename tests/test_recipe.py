@@ -143,7 +143,7 @@ def test_op_lists_and_modules_after_a_named_recipe():
 
 @pytest.mark.parametrize("text, words", [
     ("bf16,fp32_ops=softmx", ["unknown op 'softmx'", "softmax"]),
-    ("bf16,params=fp16", ["only fp32_ops, low_ops, follow_ops, modules, moments may follow"]),
+    ("bf16,params=fp16", ["only fp32_ops, low_ops, follow_ops, modules, moments, saved may follow"]),
     ("bf16,modules=lm_head", ["PATTERN:PRECISION"]),
     ("bf16,modules=lm_head:fp12", ["unknown precision for lm_head", "bf16"]),
     ("bf16,modules=lm_head:tf32", ["fp32, fp16 or bf16"]),

@@ -43,6 +43,7 @@ from .master import MasterWeights
 from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
 from .recipe_moments import Moments
+from .saved16 import Saved, SavedPacker
 
 if TYPE_CHECKING:   # for the annotation only: the tracer is imported when trace_nonfinite=True
     from .diagnostics.nonfinite import NonfiniteOrigin
@@ -195,6 +196,9 @@ class MixedPrecision:
                              "recipe (e.g. 'fp8') or drop fp8_filter")
         self._hooks = cast_model(model, self.recipe, self.device.type,
                                  cast_params=not self.grad_sync.fsdp)
+        # Any 16-bit compute: some fp32 activations it saves can be kept in 16 bits (saved16.py).
+        self._packs_saved = self.recipe.saved is not Saved.FP32 and (
+            self.recipe.compute.is_low or any(p.is_low for _, p in self.recipe.modules))
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
@@ -225,7 +229,9 @@ class MixedPrecision:
                                 enabled=self.recipe.autocast), \
                     self._op_mode or contextlib.nullcontext(), \
                     (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
-                     else contextlib.nullcontext()):     # evaluation under no_grad is not traced
+                     else contextlib.nullcontext()), \
+                    (SavedPacker(self.recipe.saved) if self._packs_saved and torch.is_grad_enabled()
+                     else contextlib.nullcontext()):     # fp32 saves kept in 16 bits (saved16.py)
                 yield
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -23,6 +23,7 @@ import torch
 from .oplists import OpPolicy, check_op_names
 from .recipe_fp8 import Fp8Config
 from .recipe_moments import Moments
+from .saved16 import Saved
 from .recipe_scale import LossScaleConfig
 
 __all__ = [
@@ -118,10 +119,13 @@ class Recipe:
     modules: tuple[tuple[str, Precision], ...] = ()
     fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe_fp8.py)
     moments: Moments = Moments.FP32  # Adam's moments: fp32 (the user's optimizer) or compact (recipe_moments.py)
+    saved: Saved = Saved.EXACT       # fp32 activations autograd saves, kept in 16 bits where exact (saved16.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.moments, Moments):
             raise TypeError(f"Recipe.moments must be a Moments, got {self.moments!r}")
+        if not isinstance(self.saved, Saved):
+            raise TypeError(f"Recipe.saved must be a Saved, got {self.saved!r}")
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(f"Recipe.fp8 must be an Fp8Config or None, got {self.fp8!r}")
         self._check_op_lists_and_modules()
@@ -211,6 +215,8 @@ class Recipe:
             parts.append(f"fp8={self.fp8}")
         if self.moments is not Moments.FP32:
             parts.append(f"moments={self.moments.value}")
+        if self.saved is not Saved.EXACT:
+            parts.append(f"saved={self.saved.value}")
         return ",".join(parts)
 
 
@@ -230,7 +236,7 @@ RECIPES: dict[str, Recipe] = {
     "fp8-delayed": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("delayed")),
 }
 
-_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8", "moments")
+_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8", "moments", "saved")
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:
@@ -250,7 +256,8 @@ def parse_recipe(text: str) -> Recipe:
     ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none),
     ``fp32_ops``/``low_ops``/``follow_ops`` (op names joined by ``+``), ``modules`` (``PATTERN:PRECISION``
     joined by ``+``), ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none),
-    ``moments`` (fp32|bf16|bf16-sr|fp8: Adam's moments, see ``recipe_moments``; default fp32).
+    ``moments`` (fp32|bf16|bf16-sr|fp8: Adam's moments, see ``recipe_moments``; default fp32),
+    ``saved`` (fp32|exact|low: fp32 activations saved in 16 bits, see ``saved16``; default exact).
     A named recipe may lead, and the keys after it change it: ``bf16,fp32_ops=softmax`` is bf16 with
     softmax in fp32.
     """
@@ -301,8 +308,11 @@ def parse_recipe(text: str) -> Recipe:
 
 
 def _moments_field(fields: dict[str, str]) -> dict:
-    """``moments`` from its word (recipe_moments.py), when given."""
-    return {"moments": Moments.parse(fields["moments"])} if "moments" in fields else {}
+    """``moments`` (recipe_moments.py) and ``saved`` (saved16.py) from their words, when given."""
+    out: dict = {"moments": Moments.parse(fields["moments"])} if "moments" in fields else {}
+    if "saved" in fields:
+        out["saved"] = Saved.parse(fields["saved"])
+    return out
 
 
 def _op_list_fields(fields: dict[str, str]) -> dict:
@@ -323,11 +333,11 @@ def _op_list_fields(fields: dict[str, str]) -> dict:
 
 def _edit_named(base: Recipe, fields: dict[str, str], text: str) -> Recipe:
     """A named recipe changed by op-list and module keys only (``bf16,fp32_ops=softmax``)."""
-    other = sorted(set(fields) - {*_OP_KEYS, "modules", "moments"})
+    editable = [*_OP_KEYS, "modules", "moments", "saved"]
+    other = sorted(set(fields) - set(editable))
     if other:
-        raise ValueError(f"after a named recipe only {', '.join([*_OP_KEYS, 'modules', 'moments'])} may "
-                         f"follow, got {', '.join(other)} in {text!r}; spell the recipe in full "
-                         "(params=..,compute=..)")
+        raise ValueError(f"after a named recipe only {', '.join(editable)} may follow, got "
+                         f"{', '.join(other)} in {text!r}; spell the recipe in full (params=..,compute=..)")
     return dataclasses.replace(base, **_op_list_fields(fields), **_moments_field(fields))
 
 
