@@ -262,8 +262,10 @@ class MixedPrecision:
         """
         if self.master is not None and self._step_observers:
             self.master.pull_grads()     # observers read the fp32 copies whole: no chunking then
-        # What backward made, in the optimizer's order: 16-bit gradients of weights with fp32 copies
-        # (cast to fp32 per chunk inside the step, never all at once), fp32 gradients of the rest.
+        elif self.master is not None:
+            self.master.begin_step(self.optimizer)   # one chunk: the fp32 casts are made here, once
+        # What backward made, in the optimizer's order: with fp32 copies in several chunks the 16-bit
+        # gradients (cast to fp32 chunk by chunk inside the step), in one chunk their fp32 casts.
         grads = self._grads()
         if not grads:
             raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
@@ -298,6 +300,8 @@ class MixedPrecision:
                 # An LR scheduler stepping next to us would warn that optimizer.step() was never
                 # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]
+                if self.master is not None and not deferred_push:
+                    self.master.skip_step()
         for observer in self._step_observers.values():
             observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
         if deferred_push and (stepped or not self.master.keep):

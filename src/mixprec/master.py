@@ -20,6 +20,11 @@ frees the transients before the next chunk. So the step's extra memory is bounde
 (64 MiB by default; a single tensor larger than that is its own chunk), and a model whose fp32 copies
 fit in one chunk steps in one ``optimizer.step()`` call exactly as a plain optimizer would.
 
+On CPU a chunk of at least ``_WORKSPACE_MIN`` (32 MiB) of fp32 gradients is cast into one flat fp32
+workspace that is kept between steps (at most ``chunk_bytes``; ``workspace_bytes``): allocating it
+afresh each step was measured 2-3x slower there (benchmarks/RESULTS.md, page faults on fresh memory).
+CUDA's caching allocator reuses the freed block by itself, so on CUDA nothing is kept.
+
     >>> w = torch.full((100_000,), 1.0)
     >>> stochastic_round_bf16(w + 2**-10, torch.Generator().manual_seed(0)).float().mean().item()
     1.0009...
@@ -40,6 +45,7 @@ __all__ = ["MasterWeights", "stochastic_round_bf16", "DEFAULT_CHUNK_BYTES"]
 # The fp32 transients of one optimizer call: small next to any model worth chunking (gpt2: 8 chunks),
 # large enough that a step makes few calls (a 7B model: ~420, each a multi-tensor kernel on CUDA).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+_WORKSPACE_MIN = 32 * 2**20      # CPU: fp32 gradient chunks this large go into a kept workspace
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -75,6 +81,9 @@ class MasterWeights:
         self.keep = keep
         self.rounding = rounding
         self.chunk_bytes = chunk_bytes
+        self._workspace: torch.Tensor | None = None     # CPU only, see the module docstring
+        self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
+        self._pulled = False                             # begin_step cast every gradient already
         # Clone before the model is cast: the master starts as the exact fp32 initial weights.
         self.masters = [nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
                         for p in self.model_params]
@@ -92,17 +101,35 @@ class MasterWeights:
         if not keep:
             self._release()
 
+    def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Plan the step's chunks. With one chunk the fp32 gradients are cast here, at once, so the
+        overflow check and the norm read them (an fp16->fp32 cast costs a CPU more than the norm
+        itself; reading the casts once is what the step did before chunks). No sync."""
+        self._step_plan = self._plan(optimizer)
+        self._pulled = self._step_plan is None
+        if self._pulled:
+            self.pull_grads()
+
     def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The gradients backward made for every tensor ``optimizer`` steps, in its order: the model's
-        16-bit gradient for an fp32 copy, the tensor's own gradient otherwise. No copy, no sync."""
+        """The gradients for every tensor ``optimizer`` steps, in its order: after a one-chunk
+        ``begin_step`` the fp32 copies' (exact casts), else the model's 16-bit gradient for a copy and
+        the tensor's own gradient otherwise. No copy, no sync."""
         out = []
         for group in optimizer.param_groups:
             for t in group["params"]:
                 i = self._index.get(id(t))
-                g = t.grad if i is None else self.model_params[i].grad
+                g = t.grad if i is None or self._pulled else self.model_params[i].grad
                 if g is not None:
                     out.append(g)
         return out
+
+    def skip_step(self) -> None:
+        """A skipped step: free what ``begin_step`` cast; the weights stay as they are."""
+        self._pulled = False
+        for m in self.masters:
+            m.grad = None
+        if not self.keep:
+            self._release()
 
     def numel_of(self, t: torch.Tensor) -> int:
         """Elements of ``t``; for an fp32 copy, of the weight it stands for (transient ones are empty)."""
@@ -115,16 +142,39 @@ class MasterWeights:
         Casting fp16/bf16 to fp32 is exact: the copies hold what backward made. ``which`` picks copies
         by position (default: all).
         """
-        for i in range(len(self.masters)) if which is None else which:
+        which = range(len(self.masters)) if which is None else which
+        workspace = self._workspace_for(which)
+        offset = 0
+        for i in which:
             p, m = self.model_params[i], self.masters[i]
             if not self.keep:
                 m.data = p.detach().float()
-            if p.grad is None:
+            if workspace is not None and p.grad is not None:
+                m.grad = workspace[offset:offset + p.numel()].view(p.shape)
+                m.grad.copy_(p.grad)
+                offset += p.numel()
+            elif p.grad is None:
                 m.grad = None
             elif m.grad is None or m.grad.shape != p.grad.shape:
                 m.grad = p.grad.float()
             else:
                 m.grad.copy_(p.grad)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the fp32 gradient workspace kept between steps (CPU, large chunks only; else 0)."""
+        return 0 if self._workspace is None else self._workspace.untyped_storage().nbytes()
+
+    def _workspace_for(self, which) -> torch.Tensor | None:
+        if not self.keep or not self.masters or self.masters[0].device.type != "cpu":
+            return None
+        need = sum(self.model_params[i].numel() for i in which if self.model_params[i].grad is not None
+                   and self.model_params[i].grad.layout == torch.strided)
+        if 4 * need < _WORKSPACE_MIN:
+            return None
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.float32, device=self.masters[0].device)
+        return self._workspace
 
     def step(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any],
              inv_divisor: torch.Tensor | None = None) -> None:
@@ -136,10 +186,11 @@ class MasterWeights:
         ``optimizer.step``, or the engine's own AdamW). Its step pre/post hooks run once per chunk.
         Multiplying after the exact cast is what the unchunked step did: the same bits. No sync.
         """
-        plan = self._plan(optimizer)
+        plan = self._step_plan if self._pulled else self._plan(optimizer)
         if plan is None:            # everything fits one chunk: the optimizer's groups stay as built
             everything = list(range(len(self.masters)))
-            self._step_chunk(optimizer, everything, step_fn, inv_divisor)
+            self._step_chunk(optimizer, everything, step_fn, inv_divisor, pulled=self._pulled)
+            self._pulled = False
             return
         groups = optimizer.param_groups
         saved = [g["params"] for g in groups]
@@ -153,8 +204,9 @@ class MasterWeights:
             for group, members in zip(groups, saved):
                 group["params"] = members
 
-    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor) -> None:
-        self.pull_grads(which)
+    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor, pulled: bool = False) -> None:
+        if not pulled:
+            self.pull_grads(which)
         if inv_divisor is not None:
             # fp32 copies and fp32 model gradients alike: the optimizer sees grad * clip / S.
             grads = [t.grad for g in optimizer.param_groups for t in g["params"] if t.grad is not None]
