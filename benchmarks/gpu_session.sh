@@ -29,13 +29,16 @@ case "${1:-}" in
     run bench-fp8 "$PY" benchmarks/bench_fp8.py --device cuda
     run bench-oplists "$PY" benchmarks/bench_oplists.py --device cuda
     run bench-doctor "$PY" benchmarks/bench_doctor.py --device cuda
-    run bench-dist "$PY" benchmarks/bench_dist.py --device cuda --nproc 1 ;;
+    run bench-dist "$PY" benchmarks/bench_dist.py --device cuda --nproc 1
+    run bench-pure-step "$PY" benchmarks/bench_pure_step.py --device cuda --widths 1024,2048,4096 ;;
   lab)
     run compare-gpt2 $MIXPREC compare --benchmark gpt2 --device cuda --recipes fp32,tf32,fp16,bf16,fp8 \
         --steps 60 --json "$OUT/compare-gpt2.json"
     run compare-resnet50 $MIXPREC compare --benchmark resnet50 --device cuda --recipes fp32,tf32,fp16,bf16 \
         --steps 60 --json "$OUT/compare-resnet50.json"
-    run inspect-gpt2 $MIXPREC inspect --benchmark gpt2 --device cuda --json "$OUT/inspect-gpt2.json" ;;
+    run inspect-gpt2 $MIXPREC inspect --benchmark gpt2 --device cuda --json "$OUT/inspect-gpt2.json"
+    # issue 13: 16 B/param pure recipes, compact moments, saved=low; ';' separates recipe strings
+    run memory-gpt2 "$PY" benchmarks/memory_recipes.py --device cuda --benchmark gpt2 ;;
   *)
     echo "usage: $0 tests|kernels|lab" >&2; exit 2 ;;
 esac
