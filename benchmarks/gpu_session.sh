@@ -34,7 +34,8 @@ case "${1:-}" in
     run bench-oplists "$PY" benchmarks/bench_oplists.py --device cuda
     run bench-doctor "$PY" benchmarks/bench_doctor.py --device cuda
     run bench-dist "$PY" benchmarks/bench_dist.py --device cuda --nproc 1
-    run bench-usage-checks "$PY" benchmarks/bench_usage_checks.py --device cuda --width 1024 ;;   # issue 15
+    run bench-usage-checks "$PY" benchmarks/bench_usage_checks.py --device cuda --width 1024   # issue 15
+    run bench-pure-step "$PY" benchmarks/bench_pure_step.py --device cuda --widths 1024,2048,4096 ;;
   lab)
     run compare-gpt2 $MIXPREC compare --benchmark gpt2 --device cuda --recipes fp32,tf32,fp16,bf16,fp8 \
         --steps 60 --json "$OUT/compare-gpt2.json"

@@ -27,23 +27,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]
-    recipes = args.recipes.split(",")
+    # Recipe strings hold commas ("bf16-sr,moments=bf16-sr"): with a ';' anywhere, ';' separates them.
+    recipes = args.recipes.split(";" if ";" in args.recipes else ",")
     print(f"torch {torch.__version__}, cpu, {args.threads} thread(s), seeds {seeds}\n")
     for workload in args.workloads.split(","):
-        metric: dict[str, list[float]] = {r: [] for r in recipes}
+        metric: dict[str, list[float]] = {}    # by the run's label: a custom recipe's is its full string
         for seed in seeds:
             report = run_compare(plan_compare(workload, recipes, steps=args.steps, device="cpu", seed=seed))
             for run in report.runs:
-                metric[run.label].append(run.test_metric)
+                metric.setdefault(run.label, []).append(run.test_metric)
         lo, hi = min(metric["fp32"]), max(metric["fp32"])
         better = "higher" if report.higher_is_better else "lower"
         print(f"{workload}: test {report.metric} ({better} is better), {report.steps} steps; "
               f"fp32 band over seeds [{lo:.4f}, {hi:.4f}]")
-        print(f"  {'recipe':<10}{'mean':>9}{'std':>9}{'min':>9}{'max':>9}  within fp32's band")
+        width = max(10, *(len(r) + 2 for r in metric))
+        print(f"  {'recipe':<{width}}{'mean':>9}{'std':>9}{'min':>9}{'max':>9}  within fp32's band")
         for label, values in metric.items():
             mean = statistics.fmean(values)
             std = statistics.stdev(values) if len(values) > 1 else 0.0
-            print(f"  {label:<10}{mean:>9.4f}{std:>9.4f}{min(values):>9.4f}{max(values):>9.4f}  "
+            print(f"  {label:<{width}}{mean:>9.4f}{std:>9.4f}{min(values):>9.4f}{max(values):>9.4f}  "
                   f"{'yes' if lo <= mean <= hi else 'NO'}")
         print()
 

@@ -87,7 +87,7 @@ def test_memory_by_role_matches_the_mlp_worked_out_by_hand(report_json):
     assert runs["fp32"]["params"] == 4 * n and runs["fp32"]["master"] == 0
     assert runs["fp32"]["optimizer"] == 8 * n + 4 * 4       # AdamW: two fp32 moments, 4 step counters
     assert runs["fp16-pure"]["params"] == 2 * n and runs["fp16-pure"]["master"] == 4 * n
-    assert runs["fp16-pure"]["grads"] == 2 * n + 4 * n      # fp16 grads and their fp32 copies
+    assert runs["fp16-pure"]["grads"] == 2 * n              # fp16 grads: the fp32 copies' gradients live in step() only
     assert runs["fp16"]["activations"] < runs["fp32"]["activations"]   # saved in fp16 under autocast
     assert all(m["peak"] is None for m in runs.values())    # no CUDA allocator on the CPU
 

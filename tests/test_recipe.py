@@ -221,8 +221,6 @@ def test_unknown_recipe_names_say_did_you_mean(text, hint):
 @pytest.mark.parametrize("text, words", [
     ("params=fp16", ["params=fp16 without a master copy", "master=fp32", "master=none"]),
     ("params=bf16", ["master=fp32", "rounding=stochastic"]),
-    ("bf16,modules=2:fp16", ["modules=2:fp16 without loss scaling", "scale=dynamic"]),
-    ("compute=bf16,modules=2:fp16", ["modules=2:fp16 without loss scaling"]),
     ("compute=fp16,scale=static:1e30", ["above 2**24", "every step is skipped"]),
     ("fp16,scale=static:2**25", ["above 2**24"]),
 ])
@@ -230,6 +228,15 @@ def test_silently_wrong_recipes_are_refused(text, words):
     with pytest.raises(ValueError) as e:
         parse_recipe(text)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("text", ["bf16,modules=2:fp16", "compute=bf16,modules=2:fp16"])
+def test_fp16_modules_get_a_dynamic_loss_scale_by_default(text):
+    # fp16 anywhere needs a scale, or gradients below 2**-24 flush to zero: like the fp16 recipe,
+    # a module set to fp16 under a bf16 recipe gets dynamic scaling unless scale= says otherwise.
+    recipe = parse_recipe(text)
+    assert recipe.loss_scale == LossScaleConfig(kind=LossScaleKind.DYNAMIC)
+    assert parse_recipe(str(recipe)) == recipe
 
 
 def test_the_refused_recipes_parse_when_spelled_out():

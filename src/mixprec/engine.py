@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .casting import cast_model, keeps_fp32, low_precision_params
 from .checkpoint_check import check_engine_state
+from .compact_adamw import CompactAdamW
 from .devices import supports
 from .grad_sync import GradSync, GroupChoice, SyncKind, local_shard
 from .export import fp32_state_dict
@@ -45,6 +46,8 @@ from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
 from .oplists import op_list_mode
 from .recipe import Precision, Recipe, get_recipe
 from .usage_checks import UsageChecks
+from .recipe.moments import Moments
+from .saved16 import Saved, SavedPacker
 
 __all__ = ["MixedPrecision", "StepResult", "StepObserver", "Fp8EmulationWarning"]
 
@@ -184,6 +187,14 @@ class MixedPrecision:
         if self.recipe.param.is_low and not self.grad_sync.fsdp:
             self.master = MasterWeights(low, optimizer, keep=self.recipe.master is not None,
                                         rounding=self.recipe.rounding, seed=seed)
+        # moments=bf16|bf16-sr|fp8: the engine steps its own AdamW with compact moments (compact_adamw.py).
+        self.moments: CompactAdamW | None = None
+        if self.recipe.moments is not Moments.FP32:
+            if self.grad_sync.fsdp:
+                raise ValueError(f"moments={self.recipe.moments.value} is not supported under FSDP2 yet; "
+                                 "use moments=fp32 there")
+            self.moments = CompactAdamW(optimizer, self.recipe.moments, seed=seed,
+                                        numel=self.master.numel_of if self.master else torch.Tensor.numel)
         self.fp8_report: Fp8SwapReport | None = None
         if self.recipe.fp8 is not None:
             backend, note = resolve_backend(self.recipe.fp8, self.device)
@@ -197,6 +208,9 @@ class MixedPrecision:
                              "recipe (e.g. 'fp8') or drop fp8_filter")
         self._hooks = cast_model(model, self.recipe, self.device.type,
                                  cast_params=not self.grad_sync.fsdp)
+        # Any 16-bit compute: some fp32 activations it saves can be kept in 16 bits (saved16.py).
+        self._packs_saved = self.recipe.saved is not Saved.FP32 and (
+            self.recipe.compute.is_low or any(p.is_low for _, p in self.recipe.modules))
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
@@ -230,7 +244,9 @@ class MixedPrecision:
                                 enabled=self.recipe.autocast), \
                     self._op_mode or contextlib.nullcontext(), \
                     (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
-                     else contextlib.nullcontext()):     # evaluation under no_grad is not traced
+                     else contextlib.nullcontext()), \
+                    (SavedPacker(self.recipe.saved) if self._packs_saved and torch.is_grad_enabled()
+                     else contextlib.nullcontext()):     # fp32 saves kept in 16 bits (saved16.py)
                 yield
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
@@ -266,9 +282,15 @@ class MixedPrecision:
         if not model_grads:
             raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
         self._checks.check_before_step(model_grads)   # stale or unscaled gradients: refused here
-        if self.master is not None:
+        # fp32 copies whole when observers read them or the step is compiled; else chunk by chunk.
+        whole = self._master_whole()
+        if self.master is not None and whole:
             self.master.pull_grads()
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        elif self.master is not None:
+            self.master.begin_step(self.optimizer)   # one chunk: the fp32 casts are made here, once
+        # What backward made, in the optimizer's order: with fp32 copies in several chunks the 16-bit
+        # gradients (cast to fp32 chunk by chunk inside the step), in one chunk their fp32 casts.
+        grads = self._grads()
         # The scale this step's gradients carry (a copy: the compiled step updates it in place).
         scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
         for observer in self._step_observers.values():
@@ -286,8 +308,8 @@ class MixedPrecision:
             stepped = self._generic_optimizer_step(grads, divisor, found_inf)
         for observer in self._step_observers.values():
             observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
-        if self.master is not None and (stepped is not False or not self.master.keep):
-            self.master.push_weights()
+        if self.master is not None and whole and (stepped is not False or not self.master.keep):
+            self.master.push_weights()      # chunked steps rounded each chunk into the model already
         if self._nonfinite is not None:
             # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
             self._overflow_check = (found_inf, scale, self._nonfinite.take())
@@ -338,7 +360,7 @@ class MixedPrecision:
         self.optimizer.grad_scale = divisor                       # type: ignore[attr-defined]
         self.optimizer.found_inf = found_inf_f32                  # type: ignore[attr-defined]
         try:
-            self.optimizer.step()
+            self._update(None)
         finally:
             del self.optimizer.grad_scale, self.optimizer.found_inf  # type: ignore[attr-defined]
 
@@ -346,23 +368,50 @@ class MixedPrecision:
                                 found_inf: torch.Tensor) -> bool:
         stepped = not bool(found_inf)   # the one host sync of the generic path
         if stepped:
-            if divisor is not None:
-                # Every gradient the optimizer holds is fp32 here: pure recipes step on fp32 copies.
-                torch._foreach_mul_(grads, 1.0 / divisor)
-            self.optimizer.step()
+            self._update(None if divisor is None else 1.0 / divisor)
         else:
             # An LR scheduler stepping next to us would warn that optimizer.step() was never
             # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            if self.master is not None and not self._master_whole():
+                self.master.skip_step()
         return stepped
 
     def _model_grads(self) -> list[torch.Tensor]:
         """The gradients backward left on the model's own parameters (not the fp32 copies)."""
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
+    def _grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer steps on: the fp32 copies' (whole) or the chunked master's view."""
+        if self.master is not None and not self._master_whole():
+            return self.master.grads(self.optimizer)
+        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def _master_whole(self) -> bool:
+        """fp32 copies filled whole (observers read them; a compiled step steps them in one graph)."""
+        return bool(self._step_observers) or self._compiled_step is not None
+
+    def _update(self, inv_divisor: torch.Tensor | None) -> None:
+        """Step the optimizer on gradients times ``inv_divisor`` (None: as they are). With fp32 copies
+        the master steps them chunk by chunk (``MasterWeights.step``) and rounds each chunk into the
+        model, unless they were filled whole (``_master_whole``): then step() rounds them afterwards."""
+        step_fn = self.optimizer.step
+        if self.moments is not None:
+            step_fn = self.moments.step
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers: it stepped
+        if self.master is None or self._master_whole():
+            if inv_divisor is not None:
+                # Every gradient the optimizer holds is fp32 here (copies filled by pull_grads).
+                torch._foreach_mul_(self._grads(), inv_divisor)
+            step_fn()
+        else:
+            self.master.step(self.optimizer, step_fn, inv_divisor)
+
     def _fused_step_ok(self) -> bool:
         """True when the optimizer can divide, clip and skip inside its own fused kernel."""
         opt = self.optimizer
+        if self.moments is not None:        # the engine's own AdamW takes the generic path
+            return False
         if not getattr(opt, "_step_supports_amp_scaling", False):
             return False
         if not all(g.get("fused") for g in opt.param_groups):
@@ -443,14 +492,15 @@ class MixedPrecision:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything mixprec owns: recipe, loss scale, master weights, stochastic-rounding generator,
-        fp8 scale state (scales, amax histories) per fp8 layer.
+        fp8 scale state (scales, amax histories) per fp8 layer, compact Adam moments (``moments=``).
 
         The model's and the optimizer's own state dicts are theirs to save (``save_checkpoint`` saves
         all of it together).
         """
         return {"recipe": str(self.recipe), "loss_scale": self.loss_scale.state_dict(),
                 "master": self.master.state_dict() if self.master is not None else None,
-                "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None}
+                "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None,
+                "moments": self.moments.state_dict() if self.moments is not None else None}
 
     def fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights for an fp32 model: master copies where the recipe keeps them, every
@@ -465,3 +515,5 @@ class MixedPrecision:
             self.master.load_state_dict(state["master"])
         if self.fp8_report is not None:
             load_fp8_state_dict(self.model, state["fp8"])
+        if self.moments is not None:
+            self.moments.load_state_dict(state["moments"])

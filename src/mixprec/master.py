@@ -12,6 +12,19 @@ Two lifetimes, one mechanism:
   rounded back *stochastically*, so an update below half an ulp survives in expectation. The optimizer
   state stays fp32; no master copy is held.
 
+No fp32 gradient is held between steps (seed 003's 16 B/param with Adam: 2 weights + 2 gradients + 4
+master + 8 moments). ``step`` walks the optimizer's tensors in chunks of at most ``chunk_bytes`` of fp32
+transients (the chunk's gradients, and for ``keep=False`` its weights): it casts the chunk's 16-bit
+gradients into fp32, lets the optimizer step only that chunk, rounds the result into the model and
+frees the transients before the next chunk. So the step's extra memory is bounded by ``chunk_bytes``
+(64 MiB by default; a single tensor larger than that is its own chunk), and a model whose fp32 copies
+fit in one chunk steps in one ``optimizer.step()`` call exactly as a plain optimizer would.
+
+On CPU a chunk of at least ``_WORKSPACE_MIN`` (32 MiB) of fp32 gradients is cast into one flat fp32
+workspace that is kept between steps (at most ``chunk_bytes``; ``workspace_bytes``): allocating it
+afresh each step was measured 2-3x slower there (benchmarks/RESULTS.md, page faults on fresh memory).
+CUDA's caching allocator reuses the freed block by itself, so on CUDA nothing is kept.
+
     >>> w = torch.full((100_000,), 1.0)
     >>> stochastic_round_bf16(w + 2**-10, torch.Generator().manual_seed(0)).float().mean().item()
     1.0009...
@@ -19,6 +32,7 @@ Two lifetimes, one mechanism:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +40,12 @@ from torch import nn
 
 from .recipe import Rounding
 
-__all__ = ["MasterWeights", "stochastic_round_bf16"]
+__all__ = ["MasterWeights", "stochastic_round_bf16", "DEFAULT_CHUNK_BYTES"]
+
+# The fp32 transients of one optimizer call: small next to any model worth chunking (gpt2: 8 chunks),
+# large enough that a step makes few calls (a 7B model: ~420, each a multi-tensor kernel on CUDA).
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+_WORKSPACE_MIN = 32 * 2**20      # CPU: fp32 gradient chunks this large go into a kept workspace
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -53,14 +72,23 @@ class MasterWeights:
     """
 
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, *,
-                 keep: bool, rounding: Rounding = Rounding.NEAREST, seed: int = 0) -> None:
+                 keep: bool, rounding: Rounding = Rounding.NEAREST, seed: int = 0,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if not (isinstance(chunk_bytes, int) and chunk_bytes > 0):
+            raise ValueError(f"chunk_bytes must be a positive int (bytes of fp32 transients per optimizer "
+                             f"call, e.g. {DEFAULT_CHUNK_BYTES}), got {chunk_bytes!r}")
         self.model_params = list(params)
         self.keep = keep
         self.rounding = rounding
+        self.chunk_bytes = chunk_bytes
+        self._workspace: torch.Tensor | None = None     # CPU only, see the module docstring
+        self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
+        self._pulled = False                             # begin_step cast every gradient already
         # Clone before the model is cast: the master starts as the exact fp32 initial weights.
         self.masters = [nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
                         for p in self.model_params]
         by_id = {id(p): m for p, m in zip(self.model_params, self.masters)}
+        self._index = {id(m): i for i, m in enumerate(self.masters)}   # fp32 copy -> its position
         for group in optimizer.param_groups:
             group["params"] = [by_id.get(id(p), p) for p in group["params"]]
         for p in self.model_params:
@@ -73,35 +101,160 @@ class MasterWeights:
         if not keep:
             self._release()
 
-    def pull_grads(self) -> None:
+    def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Plan the step's chunks. With one chunk the fp32 gradients are cast here, at once, so the
+        overflow check and the norm read them (an fp16->fp32 cast costs a CPU more than the norm
+        itself; reading the casts once is what the step did before chunks). No sync."""
+        self._step_plan = self._plan(optimizer)
+        self._pulled = self._step_plan is None
+        if self._pulled:
+            self.pull_grads()
+
+    def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The gradients for every tensor ``optimizer`` steps, in its order: after a one-chunk
+        ``begin_step`` the fp32 copies' (exact casts), else the model's 16-bit gradient for a copy and
+        the tensor's own gradient otherwise. No copy, no sync."""
+        out = []
+        for group in optimizer.param_groups:
+            for t in group["params"]:
+                i = self._index.get(id(t))
+                g = t.grad if i is None or self._pulled else self.model_params[i].grad
+                if g is not None:
+                    out.append(g)
+        return out
+
+    def skip_step(self) -> None:
+        """A skipped step: free what ``begin_step`` cast; the weights stay as they are."""
+        self._pulled = False
+        for m in self.masters:
+            m.grad = None
+        if not self.keep:
+            self._release()
+
+    def numel_of(self, t: torch.Tensor) -> int:
+        """Elements of ``t``; for an fp32 copy, of the weight it stands for (transient ones are empty)."""
+        i = self._index.get(id(t))
+        return t.numel() if i is None else self.model_params[i].numel()
+
+    def pull_grads(self, which: list[int] | None = None) -> None:
         """Cast the model's low-precision gradients into the fp32 copies (and, transient, the weights).
 
-        Casting fp16/bf16 to fp32 is exact, so the overflow check on the copies sees what backward made.
+        Casting fp16/bf16 to fp32 is exact: the copies hold what backward made. ``which`` picks copies
+        by position (default: all).
         """
-        for p, m in zip(self.model_params, self.masters):
+        which = range(len(self.masters)) if which is None else which
+        workspace = self._workspace_for(which)
+        offset = 0
+        for i in which:
+            p, m = self.model_params[i], self.masters[i]
             if not self.keep:
                 m.data = p.detach().float()
-            if p.grad is None:
+            if workspace is not None and p.grad is not None:
+                m.grad = workspace[offset:offset + p.numel()].view(p.shape)
+                m.grad.copy_(p.grad)
+                offset += p.numel()
+            elif p.grad is None:
                 m.grad = None
             elif m.grad is None or m.grad.shape != p.grad.shape:
                 m.grad = p.grad.float()
             else:
                 m.grad.copy_(p.grad)
 
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the fp32 gradient workspace kept between steps (CPU, large chunks only; else 0)."""
+        return 0 if self._workspace is None else self._workspace.untyped_storage().nbytes()
+
+    def _workspace_for(self, which) -> torch.Tensor | None:
+        if not self.keep or not self.masters or self.masters[0].device.type != "cpu":
+            return None
+        need = sum(self.model_params[i].numel() for i in which if self.model_params[i].grad is not None
+                   and self.model_params[i].grad.layout == torch.strided)
+        if 4 * need < _WORKSPACE_MIN:
+            return None
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.float32, device=self.masters[0].device)
+        return self._workspace
+
+    def step(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any],
+             inv_divisor: torch.Tensor | None = None) -> None:
+        """One optimizer step in chunks: per chunk cast the gradients into fp32 (times ``inv_divisor``,
+        the unscale and clip factor, when given), call ``step_fn`` with the optimizer's groups narrowed
+        to the chunk, round the result into the model and free the fp32 transients.
+
+        ``step_fn`` steps what ``optimizer.param_groups`` holds at the time of the call (torch's
+        ``optimizer.step``, or the engine's own AdamW). Its step pre/post hooks run once per chunk.
+        Multiplying after the exact cast is what the unchunked step did: the same bits. No sync.
+        """
+        plan = self._step_plan if self._pulled else self._plan(optimizer)
+        if plan is None:            # everything fits one chunk: the optimizer's groups stay as built
+            everything = list(range(len(self.masters)))
+            self._step_chunk(optimizer, everything, step_fn, inv_divisor, pulled=self._pulled)
+            self._pulled = False
+            return
+        groups = optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for chunk in plan:
+                for group, members in zip(groups, chunk):
+                    group["params"] = members
+                which = [self._index[id(t)] for members in chunk for t in members if id(t) in self._index]
+                self._step_chunk(optimizer, which, step_fn, inv_divisor)
+        finally:
+            for group, members in zip(groups, saved):
+                group["params"] = members
+
+    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor, pulled: bool = False) -> None:
+        if not pulled:
+            self.pull_grads(which)
+        if inv_divisor is not None:
+            # fp32 copies and fp32 model gradients alike: the optimizer sees grad * clip / S.
+            grads = [t.grad for g in optimizer.param_groups for t in g["params"] if t.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, inv_divisor)
+        step_fn()
+        self.push_weights(which)
+        for i in which:     # the fp32 gradients (and transient weights) go before the next chunk comes
+            self.masters[i].grad = None
+
+    def _plan(self, optimizer) -> list[list[list[torch.Tensor]]] | None:
+        """The optimizer's tensors cut into chunks of at most ``chunk_bytes`` of fp32 transients, each
+        chunk one list per param group; None when one chunk holds them all."""
+        per_element = 4 if self.keep else 8      # an fp32 gradient, plus an fp32 weight when transient
+        sizes = {id(m): per_element * m_p.numel() for m, m_p in zip(self.masters, self.model_params)}
+        if sum(sizes.values()) <= self.chunk_bytes:
+            return None
+        chunks, size = [], 0
+        current: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+        for gi, group in enumerate(optimizer.param_groups):
+            for t in group["params"]:
+                b = sizes.get(id(t), 0)       # fp32 tensors the model holds cost no transient
+                if size and size + b > self.chunk_bytes:
+                    chunks.append(current)
+                    current, size = [[] for _ in optimizer.param_groups], 0
+                current[gi].append(t)
+                size += b
+        chunks.append(current)
+        return chunks
+
     @torch.no_grad()
-    def push_weights(self) -> None:
+    def push_weights(self, which: list[int] | None = None) -> None:
         """Round the fp32 copies into the model's weights (nearest, or stochastic for bf16-sr).
 
         Rounding an unchanged copy gives back the model's weight bit for bit, so this is safe to run
-        after a step the optimizer skipped on the device.
+        after a step the optimizer skipped on the device. ``which`` picks copies by position.
         """
+        which = list(range(len(self.masters))) if which is None else which
+        if not which:
+            return
         if self.generator is None:
-            torch._foreach_copy_([p.data for p in self.model_params], [m.data for m in self.masters])
+            torch._foreach_copy_([self.model_params[i].data for i in which],
+                                 [self.masters[i].data for i in which])
         else:
-            for p, m in zip(self.model_params, self.masters):
-                p.data.copy_(stochastic_round_bf16(m.data, self.generator))
+            for i in which:
+                self.model_params[i].data.copy_(stochastic_round_bf16(self.masters[i].data, self.generator))
         if not self.keep:
-            self._release()
+            self._release(which)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for m in self.masters:
@@ -110,10 +263,11 @@ class MasterWeights:
             elif m.grad is not None:
                 m.grad.zero_()
 
-    def _release(self) -> None:
+    def _release(self, which: list[int] | None = None) -> None:
         # A transient copy gives its memory back between steps; the optimizer keys state by the
         # Parameter object, which stays.
-        for m in self.masters:
+        for i in range(len(self.masters)) if which is None else which:
+            m = self.masters[i]
             m.data = torch.empty(0, dtype=torch.float32, device=m.device)
             m.grad = None
 

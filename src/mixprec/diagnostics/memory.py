@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..grad_sync import local_shard
 
-__all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes", "storage_key"]
+__all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes", "storage_key", "saved_by"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,8 @@ def state_bytes(engine) -> MemoryBreakdown:
     params = list(model.parameters()) + list(model.buffers())
     grads = [p.grad for p in model.parameters()] + [m.grad for m in masters]
     state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if getattr(engine, "moments", None) is not None:    # compact Adam moments the engine holds
+        state += engine.moments.tensors()
     return MemoryBreakdown(
         params=storage_bytes(params),
         grads=storage_bytes(grads),
@@ -84,12 +86,40 @@ def state_bytes(engine) -> MemoryBreakdown:
     )
 
 
+def _producer(t: torch.Tensor) -> str:
+    """The op that made ``t``, as autograd names it without ``Backward0`` (``Addmm``, ``NativeLayerNorm``);
+    ``cast`` for a dtype cast and ``cast of a weight`` for autocast's copy of a parameter; ``no grad_fn``
+    for a tensor no differentiable op made (data, masks, indices, a norm's mean and rstd). A view
+    counts as the tensor it views. A packed tensor (mixprec.saved16) carries
+    the name of the tensor it stands for."""
+    named = getattr(t, "_mixprec_producer", None)
+    if named is not None:
+        return named
+    while t._base is not None:      # a view (reshape, transpose, split): the tensor it views made it
+        t = t._base
+    fn = t.grad_fn
+    if fn is None:
+        return "no grad_fn"
+    name = fn.name()
+    if name.startswith("ToCopyBackward"):
+        source = fn.next_functions[0][0] if fn.next_functions else None
+        return "cast of a weight" if source is not None and source.name() == "torch::autograd::AccumulateGrad" \
+            else "cast"
+    return name.rsplit("Backward", 1)[0] or name
+
+
+def saved_by(groups: dict[tuple[str, str], int]) -> tuple[tuple[str, str, int], ...]:
+    """``{(op, dtype): bytes}`` as ``((op, dtype, bytes), ...)``, largest first (ties by name)."""
+    return tuple(sorted(((op, dt, b) for (op, dt), b in groups.items()), key=lambda g: (-g[2], g[0], g[1])))
+
+
 class SavedTensorMeter:
-    """Counts the bytes autograd saves for backward while the context is open.
+    """Counts the bytes autograd saves for backward while the context is open, by dtype and by op.
 
     Weights are not activations: storages of ``exclude`` (a module's parameters, fp32 copies) are
     left out. Autocast's low-precision copies of fp32 weights *are* counted: they are made for and
-    kept by this step's backward.
+    kept by this step's backward. ``groups`` splits the bytes by ``(op that made the tensor, dtype)``:
+    the fp32 tensors a 16-bit recipe still saves show up there by name.
     """
 
     def __init__(self, *exclude: nn.Module | Iterable[torch.Tensor]) -> None:
@@ -98,6 +128,7 @@ class SavedTensorMeter:
             tensors = item.parameters() if isinstance(item, nn.Module) else item
             self._excluded.update(storage_key(local_shard(t)) for t in tensors)
         self._saved: dict[tuple[torch.device, int], int] = {}
+        self._kind: dict[tuple[torch.device, int], tuple[str, str]] = {}     # storage -> (op, dtype)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -105,11 +136,28 @@ class SavedTensorMeter:
             key = storage_key(t)
             if key not in self._excluded:
                 self._saved[key] = t.untyped_storage().nbytes()
+                self._kind.setdefault(key, (_producer(t), str(t.dtype).removeprefix("torch.")))
         return t
 
     @property
     def bytes(self) -> int:
         return sum(self._saved.values())
+
+    @property
+    def groups(self) -> dict[tuple[str, str], int]:
+        """Saved bytes by ``(op, dtype)``; each storage counted once, under the first tensor saved from it."""
+        out: dict[tuple[str, str], int] = {}
+        for key, nbytes in self._saved.items():
+            out[self._kind[key]] = out.get(self._kind[key], 0) + nbytes
+        return out
+
+    @property
+    def by_dtype(self) -> dict[str, int]:
+        """Saved bytes by dtype name (``float32``, ``bfloat16`` ...)."""
+        out: dict[str, int] = {}
+        for (_, dtype), nbytes in self.groups.items():
+            out[dtype] = out.get(dtype, 0) + nbytes
+        return out
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()

@@ -35,13 +35,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..engine import MixedPrecision
+from ..compact_adamw import moment_bytes
 from ..model_io import call_model, output_loss
 from ..recipe import Precision, Recipe, get_recipe
-from .memory import MemoryBreakdown, SavedTensorMeter, state_bytes, storage_bytes
+from ..recipe.moments import Moments
+from .memory import MemoryBreakdown, SavedTensorMeter, saved_by, state_bytes, storage_bytes
 from .memory_peak import fake_step_peak, step_transients
 from .shadow import meta_like, shadow_copy
 
-__all__ = ["MemoryReport", "memory_report", "predict_optimizer_bytes"]
+__all__ = ["MemoryReport", "memory_report", "predict_optimizer_bytes", "predict_moment_bytes"]
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], None]
 
@@ -55,6 +57,17 @@ class MemoryReport:
     n_params: int                        # trainable parameter elements
     predicted: MemoryBreakdown
     measured: MemoryBreakdown | None = None
+    # Saved activations split by (op that made them, dtype): ((op, dtype, bytes), ...), largest first.
+    saved: tuple[tuple[str, str, int], ...] = ()
+    saved_measured: tuple[tuple[str, str, int], ...] | None = None
+
+    @property
+    def saved_by_dtype(self) -> dict[str, int]:
+        """Predicted saved-activation bytes by dtype name: what a 16-bit recipe still saves in fp32."""
+        out: dict[str, int] = {}
+        for _, dtype, nbytes in self.saved:
+            out[dtype] = out.get(dtype, 0) + nbytes
+        return out
 
     @property
     def bytes_per_param(self) -> float:
@@ -84,11 +97,18 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
                          "memory to report")
     # TF32 changes how matmuls round, not what is stored: predict it as fp32 (which runs on any device).
     traced = dataclasses.replace(recipe, compute=Precision.FP32) if recipe.compute is Precision.TF32 else recipe
-    predicted, inputs = _predict(model, traced, batch, loss_fn)     # inputs: (batch bytes, grads at step())
-    predicted = dataclasses.replace(predicted, optimizer=predict_optimizer_bytes(optimizer, model))
+    # The moments' format changes the optimizer's state only (predicted below), not what the step traces.
+    traced = dataclasses.replace(traced, moments=Moments.FP32)
+    predicted, saved, inputs = _predict(model, traced, batch, loss_fn)   # inputs: (batch bytes, grads at step())
+    if recipe.moments is Moments.FP32:
+        optimizer_bytes = predict_optimizer_bytes(optimizer, model)
+    else:   # the engine's own AdamW holds the moments: its format says their size
+        optimizer_bytes = predict_moment_bytes(recipe.moments, optimizer, model)
+    predicted = dataclasses.replace(predicted, optimizer=optimizer_bytes)
     predicted = dataclasses.replace(predicted, peak=_peak(predicted, inputs, traced, optimizer, model))
-    measured = _measure(model, recipe, batch, optimizer, loss_fn) if measure else None
-    return MemoryReport(str(recipe), recipe.label, sum(p.numel() for p in params), predicted, measured)
+    measured, saved_measured = _measure(model, recipe, batch, optimizer, loss_fn) if measure else (None, None)
+    return MemoryReport(str(recipe), recipe.label, sum(p.numel() for p in params), predicted, measured,
+                        saved, saved_measured)
 
 
 def _split(batch: Any, loss_fn) -> tuple[Any, Any]:
@@ -114,19 +134,21 @@ def _loss(out: Any, targets: Any, loss_fn) -> torch.Tensor:
     return sum(t.float().sum() for t in floats)
 
 
-def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, loss_fn) -> int:
-    """Forward and backward under ``mp``; returns the activation bytes autograd saved."""
+def _one_step(mp: MixedPrecision, model: nn.Module, inputs: Any, targets: Any, loss_fn
+              ) -> tuple[int, tuple[tuple[str, str, int], ...]]:
+    """Forward and backward under ``mp``; returns the activation bytes autograd saved, and their split."""
     with SavedTensorMeter(model, mp.master.masters if mp.master else []) as meter:
         with mp.autocast():
             loss = _loss(call_model(model, inputs), targets, loss_fn)
         mp.backward(loss)
-    return meter.bytes
+    return meter.bytes, saved_by(meter.groups)
 
 
 def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn
-             ) -> tuple[MemoryBreakdown, tuple[int, int]]:
+             ) -> tuple[MemoryBreakdown, tuple[tuple[str, str, int], ...], tuple[int, int]]:
     """State and saved activations of one fake step, with ``peak`` the forward/backward's peak without
-    optimizer state; and ``(bytes of the batch, bytes of the model's gradients when step() starts)``."""
+    optimizer state; the saved activations split by (dtype, op); and ``(bytes of the batch, bytes of
+    the model's gradients when step() starts)``."""
     inputs, targets = _split(batch, loss_fn)
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes():
@@ -137,13 +159,13 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn
             batch_bytes = storage_bytes(t for t in tree_leaves((fake_in, fake_targets))
                                         if isinstance(t, torch.Tensor))
             before = state_bytes(mp).total + batch_bytes        # alive before the step: weights, masters, batch
-            activations, peak = fake_step_peak(
+            (activations, saved), peak = fake_step_peak(
                 lambda: _one_step(mp, shadow, fake_in, fake_targets, loss_fn), before)
             grads_at_step = state_bytes(mp).grads     # the model's gradients, as step() finds them
-            if mp.master is not None and mp.master.keep:
-                mp.master.pull_grads()    # the fp32 copies' gradients exist from step() on
+            # No fp32 gradient outlives step(): the copies' gradients are transients of one chunk
+            # (step_transients measures them inside the step).
             return (dataclasses.replace(state_bytes(mp), optimizer=0, activations=activations, peak=peak),
-                    (batch_bytes, grads_at_step))
+                    saved, (batch_bytes, grads_at_step))
     except (RuntimeError, NotImplementedError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot predict the memory of {type(model).__name__}: tracing it with fake "
@@ -210,6 +232,19 @@ def predict_optimizer_bytes(optimizer: OptimizerSpec, model: nn.Module) -> int:
     return total
 
 
+def predict_moment_bytes(fmt: Moments, optimizer: OptimizerSpec, model: nn.Module) -> int:
+    """Bytes of compact Adam moments (``moments=`` in the recipe): two per trainable tensor, in ``fmt``
+    (bf16: 2 + 2 B per element; fp8: 1 + 1 B plus an fp32 scale per 128). The step counts are
+    Python ints: no tensor."""
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, torch.optim.Optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    return sum(2 * moment_bytes(fmt, p.numel()) for p in params)
+
+
 def _state_bytes(state: dict) -> int:
     return sum(v.untyped_storage().nbytes() for v in state.values() if isinstance(v, torch.Tensor))
 
@@ -236,7 +271,7 @@ def _rebuild(optimizer: OptimizerSpec, params: list[nn.Parameter], twins: list[t
                     f"got {type(optimizer).__name__}")
 
 
-def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerSpec, loss_fn) -> MemoryBreakdown:
+def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerSpec, loss_fn):
     """One real step on a deep copy of ``model``, counted as ``mixprec compare`` counts its first step."""
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("measure=True needs a model with real weights; this one is on the meta device")
@@ -244,6 +279,7 @@ def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerS
     params = list(model.parameters())
     if optimizer is None:
         opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+        recipe = dataclasses.replace(recipe, moments=Moments.FP32)    # no optimizer: no moments either
     else:
         opt = _rebuild(optimizer, params, list(twin.parameters()))
     device = params[0].device
@@ -251,9 +287,9 @@ def _measure(model: nn.Module, recipe: Recipe, batch: Any, optimizer: OptimizerS
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     mp = MixedPrecision(twin, opt, recipe)
-    activations = _one_step(mp, twin, inputs, targets, loss_fn)
+    activations, saved = _one_step(mp, twin, inputs, targets, loss_fn)
     mp.step()
     measured = dataclasses.replace(state_bytes(mp), activations=activations)
     if device.type == "cuda":
         measured = dataclasses.replace(measured, peak=torch.cuda.max_memory_allocated(device))
-    return measured
+    return measured, saved

@@ -26,6 +26,8 @@ from ..formats import FORMATS, Format
 from ..oplists import OpPolicy, check_op_names
 from .fp8 import Fp8Config
 from .scale import LossScaleConfig, LossScaleKind
+from .moments import Moments
+from ..saved16 import Saved
 
 __all__ = [
     "Precision", "Rounding", "LossScaleConfig", "Recipe", "RECIPES", "get_recipe", "parse_recipe",
@@ -122,13 +124,16 @@ class Recipe:
     follow_ops: tuple[str, ...] = ()
     modules: tuple[tuple[str, Precision], ...] = ()
     fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe/fp8.py)
+    moments: Moments = Moments.FP32  # Adam's moments: fp32 (the user's optimizer) or compact (recipe/moments.py)
+    saved: Saved = Saved.EXACT       # fp32 activations autograd saves, kept in 16 bits where exact (saved16.py)
 
     def __init__(self, param: Precision = Precision.FP32, compute: Precision = Precision.FP32,
                  master: Precision | None = None, loss_scale: LossScaleConfig | None = None,
                  rounding: Rounding = Rounding.NEAREST,
                  fp32_modules: Iterable[str] = DEFAULT_FP32_MODULES, fp32_ops: Iterable[str] = (),
                  low_ops: Iterable[str] = (), follow_ops: Iterable[str] = (),
-                 modules: Iterable[tuple[str, Precision]] = (), fp8: Fp8Config | None = None) -> None:
+                 modules: Iterable[tuple[str, Precision]] = (), fp8: Fp8Config | None = None,
+                 moments: Moments = Moments.FP32, saved: Saved = Saved.EXACT) -> None:
         """Build and check a recipe; every field is set once, here, in its canonical form.
 
         ``loss_scale=None`` takes the default: dynamic where anything computes in fp16 (``compute`` or a
@@ -151,12 +156,17 @@ class Recipe:
         if isinstance(fp32_modules, str):
             raise TypeError(f"Recipe.fp32_modules takes class names as a tuple, e.g. ({fp32_modules!r},)")
         fields = dict(param=param, compute=compute, master=master, loss_scale=loss_scale, rounding=rounding,
-                      fp32_modules=tuple(fp32_modules), modules=tuple(modules), fp8=fp8, **ops)
+                      fp32_modules=tuple(fp32_modules), modules=modules, fp8=fp8, moments=moments,
+                      saved=saved, **ops)
         for name, value in fields.items():
             object.__setattr__(self, name, value)   # frozen dataclass: the one assignment of each field
         self._check()
 
     def _check(self) -> None:
+        if not isinstance(self.moments, Moments):
+            raise TypeError(f"Recipe.moments must be a Moments, got {self.moments!r}")
+        if not isinstance(self.saved, Saved):
+            raise TypeError(f"Recipe.saved must be a Saved, got {self.saved!r}")
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(f"Recipe.fp8 must be an Fp8Config or None, got {self.fp8!r}")
         if not isinstance(self.loss_scale, LossScaleConfig):
@@ -238,6 +248,10 @@ class Recipe:
             parts.append("modules=" + "+".join(f"{p}:{prec.value}" for p, prec in self.modules))
         if self.fp8 is not None:
             parts.append(f"fp8={self.fp8}")
+        if self.moments is not Moments.FP32:
+            parts.append(f"moments={self.moments.value}")
+        if self.saved is not Saved.EXACT:
+            parts.append(f"saved={self.saved.value}")
         return ",".join(parts)
 
 
@@ -255,7 +269,7 @@ RECIPES: dict[str, Recipe] = {
     "fp8-delayed": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("delayed")),
 }
 
-_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8")
+_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8", "moments", "saved")
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:
@@ -274,7 +288,9 @@ def parse_recipe(text: str) -> Recipe:
     ``scale`` (none | static:V | dynamic[(opts)]; default dynamic for fp16 compute, else none),
     ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none),
     ``fp32_ops``/``low_ops``/``follow_ops`` (op names joined by ``+``), ``modules`` (``PATTERN:PRECISION``
-    joined by ``+``), ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none).
+    joined by ``+``), ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none),
+    ``moments`` (fp32|bf16|bf16-sr|fp8: Adam's moments, see ``recipe/moments.py``; default fp32),
+    ``saved`` (fp32|exact|low: fp32 activations saved in 16 bits, see ``saved16``; default exact).
     A named recipe may lead, and the keys after it change it: ``bf16,fp32_ops=softmax`` is bf16 with
     softmax in fp32.
     """
@@ -320,13 +336,21 @@ def parse_recipe(text: str) -> Recipe:
     if fields.get("fp8", "none") != "none":
         fp8 = Fp8Config.parse(fields["fp8"])
     recipe = Recipe(param=param, compute=compute, master=master, loss_scale=scale, rounding=rounding,
-                    fp32_modules=modules, fp8=fp8, **_op_list_fields(fields))
+                    fp32_modules=modules, fp8=fp8, **_op_list_fields(fields), **_moments_field(fields))
     if (param.is_low and "master" not in fields and rounding is Rounding.NEAREST):
         raise ValueError(f"params={param.value} without a master copy loses every update smaller than "
                          f"half an ulp of the weight; add master=fp32 (fp32 copies take the step), "
                          + ("rounding=stochastic, " if param is Precision.BF16 else "")
                          + "or spell master=none to accept that")
     return recipe
+
+
+def _moments_field(fields: dict[str, str]) -> dict:
+    """``moments`` (recipe/moments.py) and ``saved`` (saved16.py) from their words, when given."""
+    out: dict = {"moments": Moments.parse(fields["moments"])} if "moments" in fields else {}
+    if "saved" in fields:
+        out["saved"] = Saved.parse(fields["saved"])
+    return out
 
 
 def _op_list_fields(fields: dict[str, str]) -> dict:

@@ -110,6 +110,13 @@ def render_notes(report: InspectReport) -> list[str]:
         lines.append(f"{names.get(prof.recipe, prof.recipe)} on {report.device}: {prof.tensor_core_share:.0%} "
                      f"of GPU kernel time in tensor-core kernels{unknown}"
                      + (f" (longest: {top.name[:60]})" if top else ""))
+    for m in report.memory:      # a 16-bit recipe's fp32 activations, by the op that made them
+        fp32 = [(op, b) for op, dt, b in m.saved if dt == "float32"]
+        total = m.predicted.activations
+        if fp32 and total and any(dt in ("float16", "bfloat16") for _, dt, _ in m.saved):
+            in_fp32 = sum(b for _, b in fp32)
+            lines.append(f"{names[m.recipe]}: {in_fp32 / total:.0%} of saved activations in fp32 "
+                         f"({format_bytes(in_fp32)}): " + ", ".join(f"{op} {format_bytes(b)}" for op, b in fp32[:3]))
     if report.measured and any(m.measured is not None and m.measured.peak is None for m in report.memory):
         lines.append(f"measured on {report.device}: the counted parts (this device has no allocator peak); "
                      "on CUDA: the allocator's peak, to hold against the predicted peak")

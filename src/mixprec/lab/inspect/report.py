@@ -17,6 +17,9 @@ JSON schema, version 1 (strict JSON: non-finite floats as "NaN"/"Infinity" strin
       predicted        object  params, grads, master, optimizer, activations, peak (the step's worst
                                moment, transients included): int bytes
       measured         object|null  the same, from one real step (peak: CUDA allocator peak or null)
+      saved            list    predicted saved activations split by op (the op that made the tensor,
+                               autograd's name) and dtype: [op str, dtype str, bytes int]; largest first
+      saved_measured   list|null  the same, from one real step
     matmul_flops       int     FLOPs of every matmul/convolution of one forward+backward
     misaligned_share   object  {"8": fraction, "16": fraction}: FLOPs share in ops with a dim that is
                                not a multiple of 8 (fp16/bf16) or 16 (fp8)
@@ -101,7 +104,9 @@ class InspectReport(JsonReport):
 
 
 
-InspectReport.SCHEMA = Schema("inspect", 1, derived={
+# Added within version 1 (older files read them as empty): the saved-activation split by op and dtype.
+InspectReport.SCHEMA = Schema("inspect", 1, added=frozenset({"memory[].saved", "memory[].saved_measured"}),
+                              derived={
     MemoryReport: {"bytes_per_param": attr("bytes_per_param")},
     RecipeKernels: {"tensor_core_share": attr("tensor_core_share"), "unknown_share": attr("unknown_share")},
     InspectReport: {"matmul_flops": lambda report, _: report.tensor_cores.total_flops,

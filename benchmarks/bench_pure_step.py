@@ -1,0 +1,89 @@
+"""The pure-recipe optimizer step at 16 B/param against the step that held fp32 gradients (20 B/param).
+
+``MixedPrecision.step()`` now casts the 16-bit gradients into fp32 per chunk and frees them after the
+chunk's update (master.py). The old step, which filled every fp32 copy's gradient at once and kept it,
+is still what the engine runs while a step observer is attached; a no-op observer selects it, so both
+run from the same code in one process, interleaved (old, new, old, new ...), on the same gradients.
+
+Usage: python benchmarks/bench_pure_step.py [--device cpu|cuda] [--reps 20] [--widths 1024,2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import mixprec
+
+
+class _NoOp:
+    def before_step(self, engine):
+        pass
+
+    def after_step(self, engine, found_inf):
+        pass
+
+
+def build(width: int, depth: int, device, recipe: str, fused: bool, old: bool):
+    torch.manual_seed(0)
+    layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())]
+    model = nn.Sequential(*layers).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
+    mp = mixprec.MixedPrecision(model, opt, recipe, clip_grad_norm=1.0)
+    if old:
+        mp.add_step_observer(_NoOp())
+    g = torch.Generator(device=device).manual_seed(1)
+    for p in model.parameters():      # fixed 16-bit gradients, reused by every step
+        p.grad = (torch.randn(p.shape, generator=g, device=device) * 1e-3).to(p.dtype)
+    return mp
+
+
+def timed(mp, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    mp.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--widths", default="1024,2048")
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--recipes", default="fp16-pure,bf16-pure")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, {device}, {args.threads} thread(s); MLP of depth {args.depth}; "
+          f"AdamW, clip 1.0; {args.reps} interleaved reps, medians of step() alone")
+    print(f"{'recipe':<10} {'width':>6} {'params':>8} {'optimizer':<8} {'chunks':>6} {'old ms':>9} "
+          f"{'new ms':>9} {'old/new':>8}")
+    for recipe in args.recipes.split(","):
+        for width in (int(w) for w in args.widths.split(",")):
+            for fused in (True, False):
+                old, new = (build(width, args.depth, device, recipe, fused, o) for o in (True, False))
+                plan = new.master._plan(new.optimizer)
+                chunks = 1 if plan is None else len(plan)
+                for mp in (old, new):           # warm-up: optimizer state, allocator
+                    timed(mp, device)
+                t_old, t_new = [], []
+                for _ in range(args.reps):
+                    t_old.append(timed(old, device))
+                    t_new.append(timed(new, device))
+                mo, mn = statistics.median(t_old) * 1e3, statistics.median(t_new) * 1e3
+                n = sum(p.numel() for p in new.model.parameters())
+                print(f"{recipe:<10} {width:>6} {n / 1e6:>7.1f}M {'fused' if fused else 'foreach':<8} "
+                      f"{chunks:>6} {mo:>9.2f} {mn:>9.2f} {mo / mn:>7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Saved activations that are really 16-bit: what autograd keeps for the backward, in 16 bits where it can.
+
+Under a 16-bit recipe some tensors autograd saves are still fp32 (``mixprec inspect`` names them):
+
+- *exact upcasts*: an fp32 copy of a 16-bit tensor, made because the next op runs in fp32 (the input
+  of a norm a pure recipe keeps fp32, autocast's casts for its fp32 ops). Its values are 16-bit values,
+  so keeping the 16-bit copy instead loses nothing: the backward gets the same fp32 numbers back.
+- *computed in fp32*: the fp32 residual stream of an autocast recipe (fp32 embeddings plus 16-bit
+  branch outputs promote to fp32), log-softmax outputs of the fp32 loss. Rounding these to bf16 for the
+  backward is a real, if small, change: the backward sees them with bf16's 8-bit mantissa.
+
+``Saved`` (the recipe's ``saved=`` key) picks the policy: ``fp32`` keeps everything as autograd made it,
+``exact`` (the default) stores exact upcasts in their 16-bit source dtype, ``low`` also rounds every
+differentiable fp32 activation to bf16 (bf16: fp32's range, so nothing overflows). Norm statistics and
+other tensors without a ``grad_fn`` stay as they are. ``SavedPacker`` is the ``saved_tensors_hooks``
+pair that does it; the engine enters it inside ``autocast()``. It composes with hooks entered around
+it (``SavedTensorMeter`` counts the packed 16-bit tensors). No host sync; one cast per packed tensor in
+the forward and one back to fp32 per use in the backward.
+
+    >>> a = torch.randn(4, requires_grad=True)
+    >>> with SavedPacker(Saved.EXACT):
+    ...     y = (a.to(torch.bfloat16) * 2).float().exp()     # exp saves its fp32 output: not a cast
+    >>> y.grad_fn._saved_result.dtype
+    torch.float32
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["Saved", "SavedPacker"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class Saved(enum.Enum):
+    """Which fp32 activations a 16-bit recipe saves in 16 bits (``saved=`` in a recipe string)."""
+
+    FP32 = "fp32"     # as autograd made them
+    EXACT = "exact"   # exact upcasts of 16-bit tensors kept in 16 bits: lossless (the default)
+    LOW = "low"       # and every other differentiable fp32 activation rounded to bf16
+
+    @classmethod
+    def parse(cls, word: str) -> Saved:
+        try:
+            return cls(word.strip().lower())
+        except ValueError:
+            raise ValueError(f"unknown saved {word!r}; valid values: {', '.join(s.value for s in cls)} "
+                             "(exact: lossless, the default; low: fp32 activations rounded to bf16)") from None
+
+
+def _upcast_source(t: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype ``t`` was cast up from, when ``t`` is an fp32 cast of a 16-bit tensor; else None.
+
+    Autograd records the cast as ``ToCopyBackward0``; the node that made its source records the source's
+    dtype in its input metadata (torch 2.5+; older torch: None, nothing is packed).
+    """
+    fn = t.grad_fn
+    if fn is None or t._base is not None or not fn.name().startswith("ToCopyBackward"):
+        return None
+    source, index = fn.next_functions[0] if fn.next_functions else (None, 0)
+    metadata = getattr(source, "_input_metadata", None) if source is not None else None
+    if not metadata or index >= len(metadata):
+        return None
+    dtype = metadata[index].dtype
+    return dtype if dtype in _LOW else None
+
+
+class SavedPacker:
+    """``saved_tensors_hooks`` that keep fp32 activations in 16 bits per ``policy``; a context manager."""
+
+    def __init__(self, policy: Saved) -> None:
+        self.policy = policy
+        # One 16-bit copy per fp32 tensor, however many ops save it. The weak reference tells a live
+        # storage from a freed one whose address a new tensor reuses.
+        self._cache: dict[Any, tuple[StorageWeakRef, torch.Tensor]] = {}
+        self._outer: Any = None
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        packed, upcast = t, False
+        if t.dtype == torch.float32 and self.policy is not Saved.FP32:
+            dtype, label = _upcast_source(t), "cast"
+            if dtype is None and self.policy is Saved.LOW and t.grad_fn is not None:
+                dtype, label = torch.bfloat16, t.grad_fn.name().rsplit("Backward", 1)[0]
+            if dtype is not None:
+                ref = StorageWeakRef(t.untyped_storage())
+                key = (ref.cdata, t.storage_offset(), t.shape, t.stride())
+                hit = self._cache.get(key)
+                if hit is not None and not hit[0].expired():
+                    packed = hit[1]
+                else:
+                    with torch.no_grad():
+                        packed = t.detach().to(dtype)      # exact for an upcast; one rounding otherwise
+                    packed._mixprec_producer = label       # for SavedTensorMeter's split by op
+                    self._cache[key] = (ref, packed)
+                upcast = True
+        if self._outer is not None:
+            packed = self._outer[0](packed)
+        return packed, upcast
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        packed, upcast = saved
+        if self._outer is not None:
+            packed = self._outer[1](packed)
+        return packed.float() if upcast else packed
+
+    def __enter__(self) -> SavedPacker:
+        self._outer = _top_hooks()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self._cache.clear()      # the saved graph holds what it packed; the cache only deduplicates
+
+
+def _top_hooks() -> Any:
+    """The (pack, unpack) pair entered around us, to chain to (a SavedTensorMeter), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        return top(False)
+    except TypeError:        # older signature without the tracing flag
+        return top()

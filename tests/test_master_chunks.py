@@ -1,0 +1,92 @@
+"""Pure recipes at 16 B/param: no fp32 gradient outlives a step, the step's fp32 transients stay within
+one chunk, and a chunked step is the unchunked step bit for bit (skips included)."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import OPTIMIZERS, batches, tiny_model
+
+from mixprec import MixedPrecision
+from mixprec.diagnostics.memory import state_bytes, storage_bytes
+from mixprec.master import MasterWeights
+
+
+def train(recipe, opt_name, chunk_bytes=None, steps=4, clip=None, plant_at=None, seed=0):
+    model = tiny_model(seed=seed)
+    mp = MixedPrecision(model, OPTIMIZERS[opt_name](model.parameters()), recipe, clip_grad_norm=clip, seed=3)
+    if chunk_bytes is not None:
+        mp.master.chunk_bytes = chunk_bytes
+    skipped = []
+    for step, (x, y) in enumerate(batches(steps, seed=seed + 1)):
+        with mp.autocast():
+            loss = F.cross_entropy(model(x), y)
+        mp.backward(loss)
+        if step == plant_at:
+            model[0].weight.grad.view(-1)[5] = math.inf
+        skipped.append(mp.step().skipped)
+        mp.zero_grad()
+    return mp, skipped
+
+
+def state(mp):
+    return ([t.detach().clone() for t in mp.model.state_dict().values()],
+            [m.detach().clone() for m in mp.master.masters],
+            copy.deepcopy(mp.optimizer.state_dict()["state"]))
+
+
+def assert_same(a, b):
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        assert torch.equal(x, y)
+    assert a[2].keys() == b[2].keys()
+    for i in a[2]:
+        for k in a[2][i]:
+            assert torch.equal(torch.as_tensor(a[2][i][k]), torch.as_tensor(b[2][i][k])), (i, k)
+
+
+@pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure", "bf16-sr",
+                                    "params=fp16,compute=fp16,master=fp32,scale=static:1024"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_a_chunked_step_is_the_one_call_step_bit_for_bit(recipe, opt_name):
+    # 100 bytes: every weight matrix (8x16 and 16x4 elements, 4 or 8 B each) is a chunk of its own.
+    whole, _ = train(recipe, opt_name, clip=1.0, plant_at=1)
+    chunked, skipped = train(recipe, opt_name, chunk_bytes=100, clip=1.0, plant_at=1)
+    assert skipped[1] and not any(skipped[2:])
+    assert_same(state(whole), state(chunked))
+
+
+@pytest.mark.parametrize("recipe,per_element", [("fp16-pure", 4), ("bf16-sr", 8)])
+@pytest.mark.parametrize("opt_name", ["adamw-fused", "adamw-foreach", "sgd-momentum"])
+def test_fp32_transients_stay_within_one_chunk_and_none_outlive_the_step(recipe, per_element, opt_name):
+    model = tiny_model(hidden=64)
+    mp = MixedPrecision(model, OPTIMIZERS[opt_name](model.parameters()), recipe)
+    mp.master.chunk_bytes = 1024
+    seen = []
+
+    def count(optimizer, args, kwargs):   # an optimizer step pre-hook: once per chunk
+        alive = [m.grad for m in mp.master.masters] + [m for m in mp.master.masters if not mp.master.keep]
+        seen.append(storage_bytes(alive))
+
+    mp.optimizer.register_step_pre_hook(count)
+    for x, y in batches(2, d_in=8):
+        with mp.autocast():
+            loss = F.cross_entropy(model(x), y)
+        mp.backward(loss)
+        mp.step()
+        held = state_bytes(mp)
+        # After the step: only the model's 16-bit gradients; the copies' gradients are gone.
+        assert all(m.grad is None for m in mp.master.masters)
+        assert held.grads == storage_bytes([p.grad for p in model.parameters()])
+        mp.zero_grad()
+    # Chunks of <= 1024 B: [w0 64x8] (larger than a chunk: alone), [b0 64, the fp32 norm (no transient)],
+    # [w1 4x64], [b1 4]; per element 4 B (fp32 gradient) or 8 B (and the transient fp32 weight).
+    assert seen == [per_element * n for n in (512, 64, 256, 4)] * 2
+
+
+def test_bad_chunk_size_names_the_fix():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive int"):
+        MasterWeights(list(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1), keep=True,
+                      chunk_bytes=0)
