@@ -1,17 +1,22 @@
 # Two commands on a fresh machine: `make compare` (the main job) and `make test` (the test suite).
-# Each creates .venv and installs mixprec with the lab and test extras (mixprec[lab,dev]). Bring your own torch build first
+# Each creates .venv and installs mixprec with what it needs: the lab extra (compare), and the test
+# extras (test: mixprec[lab,dev,integrations-test]). Bring your own torch build first
 # (CUDA, ROCm or CPU) with `.venv/bin/pip install torch...`; otherwise pip picks PyPI's default.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
+TEST_STAMP := $(VENV)/.mixprec-test-installed
+# Keep the torch already in the venv (the CPU or CUDA build you chose): pip may not swap it for another.
+KEEP_TORCH = $(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" \
+	> $(VENV)/constraints.txt 2>/dev/null || : > $(VENV)/constraints.txt
 
 .PHONY: compare test bench clean
 
 compare: $(STAMP)
 	$(VENV)/bin/mixprec compare
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -19,8 +24,15 @@ bench: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[lab,dev]"
+	$(KEEP_TORCH)
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[lab]"
 	touch $(STAMP)
+
+# The tests also run the Hugging Face, timm, torchvision and Lightning integrations (mixprec[integrations-test]).
+$(TEST_STAMP): $(STAMP)
+	$(KEEP_TORCH)
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[lab,dev,integrations-test]"
+	touch $(TEST_STAMP)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
