@@ -292,7 +292,8 @@ def render_notes(report: InspectReport) -> list[str]:
         if fp32 and total and any(dt in ("float16", "bfloat16") for _, dt, _ in m.saved):
             in_fp32 = sum(b for _, b in fp32)
             lines.append(f"{names[m.recipe]}: {in_fp32 / total:.0%} of saved activations in fp32 "
-                         f"({format_bytes(in_fp32)}): " + ", ".join(f"{op} {format_bytes(b)}" for op, b in fp32[:3]))
+                         f"({format_bytes(in_fp32)}): "
+                         + ", ".join(f"{op} {format_bytes(b)}" for op, b in fp32[:3]))
     lines += [f"note: {n}" for n in report.notes]
     lines.append("weights + grads + master + optim = B/par x parameters; activations: tensors "
                  "autograd saves for the backward; attention is traced on its math path (a fused GPU "
