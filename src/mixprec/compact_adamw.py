@@ -111,7 +111,7 @@ class CompactAdamW:
             if bad:
                 raise ValueError(f"moments={fmt.value} supports plain Adam/AdamW; this optimizer sets "
                                  f"{', '.join(bad)}=True: drop it, or use moments=fp32")
-            if isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
+            if any(isinstance(v, torch.Tensor) for v in (group["lr"], *group["betas"])):
                 raise ValueError(f"moments={fmt.value} reads lr and betas as Python numbers; build the "
                                  "optimizer with float lr and betas")
         if any(optimizer.state.values()):
@@ -119,7 +119,7 @@ class CompactAdamW:
                              f"moments={fmt.value} before the first step")
         self.optimizer = optimizer
         self.fmt = fmt
-        self._numel = numel     # a tensor's element count (the engine's transient fp32 copies are empty between steps)
+        self._numel = numel     # element counts: the engine's transient fp32 copies are empty between steps
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         self.state: dict[torch.Tensor, dict[str, Any]] = {}     # keyed like torch's: by the tensor
         self.generator: torch.Generator | None = None

@@ -50,7 +50,8 @@ class Saved(enum.Enum):
             return cls(word.strip().lower())
         except ValueError:
             raise ValueError(f"unknown saved {word!r}; valid values: {', '.join(s.value for s in cls)} "
-                             "(exact: lossless, the default; low: fp32 activations rounded to bf16)") from None
+                             "(exact: lossless, the default; low: fp32 activations rounded to bf16)"
+                             ) from None
 
 
 def _upcast_source(t: torch.Tensor) -> torch.dtype | None:

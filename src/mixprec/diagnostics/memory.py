@@ -103,8 +103,8 @@ def _producer(t: torch.Tensor) -> str:
     name = fn.name()
     if name.startswith("ToCopyBackward"):
         source = fn.next_functions[0][0] if fn.next_functions else None
-        return "cast of a weight" if source is not None and source.name() == "torch::autograd::AccumulateGrad" \
-            else "cast"
+        weight = source is not None and source.name() == "torch::autograd::AccumulateGrad"   # a leaf's cast
+        return "cast of a weight" if weight else "cast"
     return name.rsplit("Backward", 1)[0] or name
 
 

@@ -125,7 +125,7 @@ class Recipe:
     modules: tuple[tuple[str, Precision], ...] = ()
     fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe/fp8.py)
     moments: Moments = Moments.FP32  # Adam's moments: fp32 (the user's optimizer) or compact (recipe/moments.py)
-    saved: Saved = Saved.EXACT       # fp32 activations autograd saves, kept in 16 bits where exact (saved16.py)
+    saved: Saved = Saved.EXACT       # fp32 activations autograd saves, which fp32 saves autograd keeps in 16 bits (saved16.py)
 
     def __init__(self, param: Precision = Precision.FP32, compute: Precision = Precision.FP32,
                  master: Precision | None = None, loss_scale: LossScaleConfig | None = None,
@@ -269,7 +269,8 @@ RECIPES: dict[str, Recipe] = {
     "fp8-delayed": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("delayed")),
 }
 
-_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8", "moments", "saved")
+_KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8",
+         "moments", "saved")
 
 
 def get_recipe(spec: str | Recipe) -> Recipe:

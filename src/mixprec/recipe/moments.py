@@ -47,4 +47,5 @@ class Moments(enum.Enum):
             return cls(word.strip().lower())
         except ValueError:
             raise ValueError(f"unknown moments {word!r}; valid values: {', '.join(m.value for m in cls)} "
-                             "(e.g. moments=bf16-sr: Adam's moments in bf16 with stochastic rounding)") from None
+                             "(e.g. moments=bf16-sr: Adam's moments in bf16 with stochastic rounding)"
+                             ) from None

@@ -116,7 +116,8 @@ def render_notes(report: InspectReport) -> list[str]:
         if fp32 and total and any(dt in ("float16", "bfloat16") for _, dt, _ in m.saved):
             in_fp32 = sum(b for _, b in fp32)
             lines.append(f"{names[m.recipe]}: {in_fp32 / total:.0%} of saved activations in fp32 "
-                         f"({format_bytes(in_fp32)}): " + ", ".join(f"{op} {format_bytes(b)}" for op, b in fp32[:3]))
+                         f"({format_bytes(in_fp32)}): "
+                         + ", ".join(f"{op} {format_bytes(b)}" for op, b in fp32[:3]))
     if report.measured and any(m.measured is not None and m.measured.peak is None for m in report.memory):
         lines.append(f"measured on {report.device}: the counted parts (this device has no allocator peak); "
                      "on CUDA: the allocator's peak, to hold against the predicted peak")
