@@ -3,8 +3,9 @@ x every CPU recipe, 15 steps on one fixed batch: each trains and stays within it
 of the fp32 run; the Llama's rotary frequencies stay exact under every recipe.
 
 Tolerances are on the largest loss difference from fp32 after the same number of updates, relative
-to the initial loss, a few times what was measured (benchmarks/RESULTS.md) and small against the format's step: fp16's
-unit roundoff is 4.9e-4, bf16's 3.9e-3, e4m3's 6.3e-2 (fp8 recipes run bf16 outside the linears).
+to the initial loss: a few times what was measured (benchmarks/RESULTS.md), and small against the
+format's step: fp16's unit roundoff is 4.9e-4, bf16's 3.9e-3, e4m3's 6.3e-2 (fp8 recipes run bf16
+outside the linears).
 """
 
 import json
