@@ -49,7 +49,7 @@ def _image_loss(model, batch):
 def vit(seed: int = 0):
     import timm
     torch.manual_seed(seed)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=16,
                               embed_dim=32, depth=2, num_heads=2, num_classes=10)
     return model, _images, _image_loss
 
