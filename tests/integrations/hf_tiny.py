@@ -8,9 +8,11 @@ import torch.nn.functional as F
 VOCAB = 64
 
 
-def _tokens(step: int, batch: int = 2, seq: int = 16):
+def _tokens(step: int, batch: int = 4, seq: int = 16):
+    # A learnable toy language: each token is the previous one plus 1 (mod VOCAB), from random starts.
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (batch, seq), generator=g)
+    starts = torch.randint(0, VOCAB, (batch, 1), generator=g)
+    return (starts + torch.arange(seq)) % VOCAB
 
 
 def _lm_loss(model, ids):
@@ -34,7 +36,7 @@ def gpt2(seed: int = 0):
     return GPT2LMHeadModel(cfg), _tokens, _lm_loss
 
 
-def _images(step: int, batch: int = 4, size: int = 32):
+def _images(step: int, batch: int = 8, size: int = 64):
     g = torch.Generator().manual_seed(2000 + step)
     return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
@@ -47,7 +49,7 @@ def _image_loss(model, batch):
 def vit(seed: int = 0):
     import timm
     torch.manual_seed(seed)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=16,
                               embed_dim=32, depth=2, num_heads=2, num_classes=10)
     return model, _images, _image_loss
 

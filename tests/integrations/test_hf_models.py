@@ -29,7 +29,8 @@ def test_llama_rotary_tables_stay_exact_under_bf16_pure_at_long_positions():
     # And a training step with positions near 8k runs and leaves the table exact.
     ids = make_batch(0)
     with mp.autocast():
-        loss = model(input_ids=ids, labels=ids, position_ids=torch.arange(8176, 8192)[None].expand(2, -1)).loss
+        positions = torch.arange(8176, 8192)[None].expand(ids.shape[0], -1)
+        loss = model(input_ids=ids, labels=ids, position_ids=positions).loss
     mp.backward(loss)
     mp.step()
     assert torch.equal(rotary.inv_freq, rotary_ref.inv_freq)

@@ -94,7 +94,8 @@ def test_checkpoint_holds_the_engine_state_and_resumes_it(tmp_path, monkeypatch)
     # Lightning decides which batches a resumed run sees; record them and replay them by hand.
     fed = []
     step = Module.training_step
-    monkeypatch.setattr(Module, "training_step", lambda self, batch, i: (fed.append(batch), step(self, batch, i))[1])
+    monkeypatch.setattr(Module, "training_step",
+                        lambda self, batch, i: (fed.append(batch), step(self, batch, i))[1])
     resumed_trainer, resumed = _fit(MixedPrecisionPlugin("fp16-pure"), tmp_path / "b", steps=10, ckpt_path=path)
     assert len(fed) == 5
     holder, mp = _by_hand("fp16-pure", steps=5)          # the run the checkpoint came from

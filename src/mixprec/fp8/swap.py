@@ -2,8 +2,8 @@
 
 A layer is swapped for an ``Fp8Linear`` when it is exactly ``nn.Linear`` (subclasses have forwards of
 their own) or Hugging Face's ``Conv1D`` (GPT-2's linear with a transposed weight, swapped for an
-``Fp8Conv1D``: fp8/conv1d.py), both weight dimensions are multiples of 16 (fp8 tensor-core GEMMs need it), and nothing
-excludes it: a ``skip`` glob on its qualified name, ``skip_first``/``skip_last`` (the first/last
+``Fp8Conv1D``: fp8/conv1d.py), both weight dimensions are multiples of 16 (fp8 tensor-core GEMMs
+need it), and nothing excludes it: a ``skip`` glob on its qualified name, ``skip_first``/``skip_last`` (the first/last
 ``nn.Linear`` in module registration order), a user ``filter(name, module) -> bool``, or a pure
 recipe's ``fp32_modules``. ``force`` names layers that must be fp8: an error if one cannot be::
 
