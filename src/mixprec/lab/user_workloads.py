@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..model_io import predictions
-from .workloads import Split, Workload, accuracy
+from .workload import Split, Workload, accuracy
 
 __all__ = ["load_user_workload"]
 
