@@ -7,7 +7,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mixprec import Fp8EmulationWarning, MixedPrecision, memory_report
-from mixprec.fp8.matmul import _probe, probe_scaled_mm
+from mixprec.devices import _probe, probe_scaled_mm
 
 
 def _mlp():

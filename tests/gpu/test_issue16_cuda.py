@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mixprec import MixedPrecision, memory_report
 from mixprec.fp8 import Fp8Conv1D, Fp8Linear, is_hf_conv1d, probe_scaled_mm
-from mixprec.fp8.matmul import _probe
+from mixprec.devices import _probe
 from mixprec.recipe import Fp8Config
 
 pytestmark = [pytest.mark.gpu,
