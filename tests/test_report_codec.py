@@ -142,7 +142,8 @@ DATA = pathlib.Path(__file__).parent / "data"      # made by the CLI before the 
 
 
 def _same_as_written(cls, name: str):
-    """Read an old file; writing it again gives the same JSON but for the tags it gained (kind, version)."""
+    """Read an old file; writing it again gives the same JSON but for the tags it gained (kind, version)
+    and the top-level fields added within version 1 since (``Schema.added``), which read as their default."""
     text = (DATA / name).read_text()
     report = cls.from_json(text)
     old, new = json.loads(text), json.loads(report.to_json())
@@ -150,6 +151,9 @@ def _same_as_written(cls, name: str):
     for tag in ("kind", "schema_version"):
         if tag not in old:
             del new[tag]
+    for field in dataclasses.fields(cls):
+        if field.name in cls.SCHEMA.added and field.name not in old:
+            assert new.pop(field.name) == to_data(field.default)
     assert new == old
     assert cls.from_json(report.to_json()) == report
     return report
