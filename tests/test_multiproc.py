@@ -65,7 +65,7 @@ def test_ctrl_c_stops_the_ranks_at_once(tmp_path):
     import time
 
     import _dist_worker
-    from mixprec.spawn import run_processes
+    from mixprec.distributed import run_processes
     started = time.monotonic()
 
     def interrupt_once_started():
