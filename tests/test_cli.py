@@ -363,7 +363,7 @@ def test_a_run_that_skipped_every_step_is_marked_failed_in_table_notes_and_page(
 
     from rich.console import Console
 
-    from mixprec.lab.html import render_html
+    from mixprec.lab.compare.html import render_html
     dead = _run("bf16", recipe="params=fp32,compute=bf16,master=none,scale=none", skipped_steps=3,
                 skipped_at=(0, 1, 2), final_loss=math.nan, test_metric=0.36)
     report = _report(_run("fp32"), dead)
@@ -393,16 +393,16 @@ def test_memory_is_counted_on_the_first_step_taken_not_a_skipped_one():
 
 def test_ctrl_c_keeps_the_recipes_that_finished(tmp_path, monkeypatch, capsys):
     """Issue 15: Ctrl-C threw away recipes that had already finished."""
-    import mixprec.lab.compare
+    import mixprec.lab.compare.run
     from mixprec.lab.cli import main
-    real_train, calls = mixprec.lab.compare.train, []
+    real_train, calls = mixprec.lab.compare.run.train, []
 
     def train_then_interrupt(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt          # Ctrl-C while the second recipe trains
         return real_train(*args, **kwargs)
-    monkeypatch.setattr(mixprec.lab.compare, "train", train_then_interrupt)
+    monkeypatch.setattr(mixprec.lab.compare.run, "train", train_then_interrupt)
     rc = main(["compare", "--recipes", "fp32,bf16,fp16", "--steps", "3", "--device", "cpu",
                "--out", str(tmp_path)])
     captured = capsys.readouterr()
@@ -432,7 +432,7 @@ def test_slow_steps_report_progress_by_time_not_only_every_ten_steps():
 
 
 def test_recipe_words_let_a_named_recipe_be_tweaked_on_the_command_line():
-    from mixprec.lab.cli import _recipe_words
+    from mixprec.lab.cli_args import recipe_words as _recipe_words
     from mixprec.recipe import parse_recipe
     words = _recipe_words(["fp32,fp16,scale=static:1024", "fp8-delayed,fp8=delayed(margin=1)",
                            "fp32,params=bf16,compute=bf16,rounding=stochastic"])

@@ -65,7 +65,7 @@ def test_ctrl_c_stops_the_ranks_at_once(tmp_path):
     import time
 
     import _dist_worker
-    from mixprec.spawn import run_processes
+    from mixprec.distributed import run_processes
     started = time.monotonic()
 
     def interrupt_once_started():
@@ -81,9 +81,9 @@ def test_ctrl_c_stops_the_ranks_at_once(tmp_path):
 
 
 def test_fp8_under_nproc_prints_the_notice(capsys, monkeypatch):
-    import mixprec.lab.compare
+    import mixprec.lab.compare.run
     def interrupted(plan, on_progress=None):
         raise KeyboardInterrupt
-    monkeypatch.setattr(mixprec.lab.compare, "train_on_ranks", interrupted)
+    monkeypatch.setattr(mixprec.lab.compare.run, "train_on_ranks", interrupted)
     assert main(["compare", "--nproc", "2", "--recipes", "fp8", "--steps", "2", "--device", "cpu"]) == 130
     assert "fp8 under --nproc 2 is untested" in capsys.readouterr().err

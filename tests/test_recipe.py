@@ -231,12 +231,13 @@ def test_silently_wrong_recipes_are_refused(text, words):
 
 
 @pytest.mark.parametrize("text", ["bf16,modules=2:fp16", "compute=bf16,modules=2:fp16"])
-def test_fp16_modules_get_a_dynamic_loss_scale_by_default(text):
-    # fp16 anywhere needs a scale, or gradients below 2**-24 flush to zero: like the fp16 recipe,
-    # a module set to fp16 under a bf16 recipe gets dynamic scaling unless scale= says otherwise.
-    recipe = parse_recipe(text)
-    assert recipe.loss_scale == LossScaleConfig(kind=LossScaleKind.DYNAMIC)
-    assert parse_recipe(str(recipe)) == recipe
+def test_a_module_in_fp16_gets_a_dynamic_scale_unless_scale_none_is_spelled(text):
+    # A scale left out is decided by where fp16 runs (gradients below 2**-24 flush to zero without
+    # one): a modules rule in fp16 gets dynamic scaling, as the fp16 recipe does, so the recipe is
+    # never silently unscaled; scale=none must be spelled to go without.
+    r = parse_recipe(text)
+    assert r.loss_scale.kind == "dynamic" and str(r).endswith("scale=dynamic,modules=2:fp16")
+    assert parse_recipe(text + ",scale=none").loss_scale.kind == "none"
 
 
 def test_the_refused_recipes_parse_when_spelled_out():

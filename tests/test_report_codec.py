@@ -155,7 +155,8 @@ def _drop_where_absent(new, old, parts):
 
 
 def _same_as_written(cls, name: str):
-    """Read an old file; writing it again gives the same JSON but for the tags it gained (kind, version)."""
+    """Read an old file; writing it again gives the same JSON but for the tags it gained (kind, version)
+    and the top-level fields added within version 1 since (``Schema.added``), which read as their default."""
     text = (DATA / name).read_text()
     report = cls.from_json(text)
     old, new = json.loads(text), json.loads(report.to_json())
@@ -163,6 +164,9 @@ def _same_as_written(cls, name: str):
     for tag in ("kind", "schema_version"):
         if tag not in old:
             del new[tag]
+    for field in dataclasses.fields(cls):
+        if field.name in cls.SCHEMA.added and field.name not in old:
+            assert new.pop(field.name) == to_data(field.default)
     for path in cls.SCHEMA.added:     # fields added within the version: written now, absent then
         _drop_where_absent(new, old, path.split("."))
     assert new == old

@@ -10,7 +10,8 @@
 Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
 HTML page beside it), and the paths written to stderr. A user mistake prints one line,
 ``mixprec: error: <what and how to fix it>``, and exits with status 2; everything is checked before any
-training starts.
+training starts. A failure while training (a bug in the user's model) is one line too, naming the
+workload, module and op; ``--traceback`` (anywhere on the line) or ``MIXPREC_TRACEBACK=1`` shows it all.
 
 Each tool lives in its own subpackage, shaped the same way: ``run.py`` (plan and run), ``report.py`` (the
 report dataclass; its JSON through ``lab/codec.py``), ``render.py`` (the console tables; ``html.py`` for
@@ -25,34 +26,44 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from .cli_args import UsageError
+from .cli_args import EXIT_INTERRUPTED, UsageError
 from .compare import cli as compare_cli
 from .doctor import cli as doctor_cli
+from .failure import describe_failure, wants_traceback
 from .inspect import cli as inspect_cli
 from .trace import cli as trace_cli
 
 __all__ = ["main"]
 
 _USAGE_ERROR = 2
-_INTERRUPTED = 130
+_INTERRUPTED = EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mixprec`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    full_traceback, argv = wants_traceback(list(sys.argv[1:] if argv is None else argv))
+    args = None
     try:
         args = _parser().parse_args(argv)
         return args.handler(args)
     except SystemExit as e:            # --help and --version exit through argparse
         return e.code if isinstance(e.code, int) else 0
     except (UsageError, OSError) as e:
-        # User mistakes (bad words, unwritable paths) arrive here with the fix in the message. Errors
-        # raised while training are not caught: they are bugs and keep their traceback.
+        # User mistakes (bad words, unwritable paths) arrive here with the fix in the message.
         message = " ".join(str(e).split())
         print(f"mixprec: error: {message}", file=sys.stderr)
         return _USAGE_ERROR
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
         return _INTERRUPTED
+    except Exception as e:
+        # A failure while training (most often in the user's own model): one line naming the
+        # workload, module and op (lab/failure.py); --traceback or MIXPREC_TRACEBACK=1 for all of it.
+        if full_traceback:
+            raise
+        workload = getattr(args, "benchmark", None) or getattr(args, "workload", None)
+        print(f"mixprec: error: {describe_failure(e, workload)}", file=sys.stderr)
+        return _USAGE_ERROR
 
 
 class _Parser(argparse.ArgumentParser):

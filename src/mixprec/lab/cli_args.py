@@ -17,7 +17,10 @@ from ..recipe import split_top_level
 from .workloads import BENCHMARKS, WORKLOADS
 
 __all__ = ["UsageError", "usage_errors", "add_workload_args", "add_device_arg", "recipe_words", "check_writable",
-           "make_out_dir", "check_outputs", "write_json", "torch_threads"]
+           "make_out_dir", "check_no_file_on_the_way", "check_outputs", "write_json", "torch_threads",
+           "EXIT_INTERRUPTED"]
+
+EXIT_INTERRUPTED = 130      # the shell's status for Ctrl-C (128 + SIGINT)
 
 
 class UsageError(Exception):
@@ -55,6 +58,7 @@ def recipe_words(values: Sequence[str] | None, default: Sequence[str] = ()) -> l
 
         ["fp32,params=bf16,compute=bf16,fp16"] -> ["fp32", "params=bf16,compute=bf16", "fp16"]
         ["fp32,bf16,fp32_ops=softmax"] -> ["fp32", "bf16,fp32_ops=softmax"]
+        ["fp32,fp16,scale=static:1024"] -> ["fp32", "fp16,scale=static:1024"]
     """
     if values is None:
         return list(default)
@@ -73,7 +77,7 @@ def recipe_words(values: Sequence[str] | None, default: Sequence[str] = ()) -> l
                 specs.append(item)
         if group:
             specs.append(",".join(group))
-    # Op-list and module keys right after a name edit that named recipe: bf16,fp32_ops=softmax.
+    # Tweaking keys right after a name edit that named recipe: bf16,fp32_ops=softmax.
     merged: list[str] = []
     for spec in specs:
         keys = {item.partition("=")[0].strip() for item in split_top_level(spec)}
@@ -84,14 +88,20 @@ def recipe_words(values: Sequence[str] | None, default: Sequence[str] = ()) -> l
     return merged
 
 
-_EDIT_KEYS = {"fp32_ops", "low_ops", "follow_ops", "modules"}
+# Keys that tweak the named recipe before them (fp16,scale=static:1024; fp8-delayed,fp8=delayed(margin=1));
+# params, compute and master start a recipe of their own (fp32,params=bf16,compute=bf16 is two).
+_EDIT_KEYS = {"fp32_ops", "low_ops", "follow_ops", "modules", "scale", "fp8", "rounding", "fp32_modules"}
 
 
-def make_out_dir(path: Path) -> None:
-    """Create ``--out``'s directory (and its parents) now, so a bad path fails before training."""
+def make_out_dir(path: Path, files: tuple[str, str] = ("report.json", "report.html")) -> None:
+    """Create ``--out``'s directory (and its parents) now, so a bad path fails before training.
+
+    ``files``: the two files the tool writes there, named in the error when ``path`` is a file.
+    """
     if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {path} is a file; give a directory for report.json and report.html, "
+        raise ValueError(f"--out {path} is a file; give a directory for {files[0]} and {files[1]}, "
                          f"e.g. --out {path.with_suffix('')}-report")
+    check_no_file_on_the_way(path, "--out")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -108,6 +118,7 @@ def check_writable(path: Path, option: str, fix: str | None = None) -> None:
         fix = fix or f"give a file path, e.g. {option} {path / 'compare.json'}"
         raise ValueError(f"{option} {path} is a directory; {fix}")
     parent = path.parent
+    check_no_file_on_the_way(parent, option, path)
     if not parent.is_dir():
         raise ValueError(f"{option} {path}: directory {parent} does not exist; create it "
                          f"(mkdir -p {parent}) or choose another path")
@@ -123,13 +134,23 @@ def check_writable(path: Path, option: str, fix: str | None = None) -> None:
         os.unlink(path)
 
 
+def check_no_file_on_the_way(directory: Path, option: str, path: Path | None = None) -> None:
+    """A file where the path needs a directory (``afile`` in ``afile/x.json``): mkdir -p cannot help."""
+    for ancestor in (directory, *directory.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise ValueError(f"{option} {path or directory}: {ancestor} is a file, not a directory; "
+                                 "choose a path whose folders are folders")
+            return
+
+
 def check_outputs(json_path: Path | None, out_dir: Path | None, names: tuple[str, str]) -> None:
     """``--json PATH`` and ``--out DIR`` (with ``names``, e.g. report.json and report.html, in it) can be
     written: checked, and DIR created, before anything trains."""
     if json_path is not None:
         check_writable(json_path, "--json")
     if out_dir is not None:
-        make_out_dir(out_dir)
+        make_out_dir(out_dir, names)
         for name in names:
             check_writable(out_dir / name, "--out", fix="remove it or choose another --out directory")
 

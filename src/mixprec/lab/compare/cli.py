@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ...recipe import get_recipe
-from ..cli_args import (add_device_arg, add_workload_args, check_outputs, check_writable, recipe_words,
-                        torch_threads, usage_errors, write_json)
+from ..cli_args import (EXIT_INTERRUPTED, add_device_arg, add_workload_args, check_outputs, check_writable,
+                        recipe_words, torch_threads, usage_errors, write_json)
+from ..console import stdout_console
 from ..trainer import TrainProgress
 from .render import render_notes, render_table, short_names
 from .report import CompareReport
@@ -56,7 +58,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     compare.add_argument("--nproc", type=int, default=1, metavar="N",
                          help="train each recipe on N processes (gloo on cpu, nccl with one GPU each), "
                               "every global batch split between them (default: 1)")
-    compare.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+    compare.add_argument("--parallel", choices=["ddp", "fsdp"], default=None,
                          help="with --nproc > 1: DDP (replicated) or FSDP2 (sharded) (default: ddp)")
     compare.set_defaults(handler=handle)
     return compare
@@ -66,9 +68,16 @@ def handle(args: argparse.Namespace) -> int:
     """Check everything, train each recipe with a progress bar, write the report and page, print the table."""
     with usage_errors():
         threads = torch_threads(args.threads)        # checks the count now; sets it for the runs below
+        if args.parallel is not None and args.nproc == 1:
+            raise ValueError(f"--parallel {args.parallel} needs --nproc N with N > 1 (one process has "
+                             f"nothing to shard or replicate), e.g. --nproc 2 --parallel {args.parallel}")
         plan = plan_compare(args.benchmark or args.workload, recipe_words(args.recipes, DEFAULT_RECIPES),
                             steps=args.steps, device=args.device, seed=args.seed, eval_every=args.eval_every,
-                            nproc=args.nproc, parallel=args.parallel)
+                            nproc=args.nproc, parallel=args.parallel or "ddp")
+        fp8 = [r.label for r in plan.recipes if r.fp8 is not None]
+        if plan.nproc > 1 and fp8:
+            print(f"mixprec: note: {', '.join(fp8)} under --nproc {plan.nproc} is untested: fp8 recipes "
+                  "are not yet covered under DDP or FSDP2 (README, Distributed)", file=sys.stderr)
         check_outputs(args.json, args.out, ("report.json", "report.html"))
     with threads:
         report = _run_with_progress(plan, Console(stderr=True))
@@ -77,6 +86,10 @@ def handle(args: argparse.Namespace) -> int:
     if args.out is not None:
         _write_page(report, args.out / "report.html")
     _print_table(report)
+    if report.partial:
+        print(f"mixprec: interrupted; kept the {len(report.runs)} recipe(s) that finished (report marked "
+              "partial)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 
@@ -107,6 +120,7 @@ def handle_report(args: argparse.Namespace) -> int:
                              "by 'mixprec compare --out DIR' (DIR/report.json) or '--json PATH'") from None
         except UnicodeDecodeError:
             raise ValueError(f"{args.json} is not a mixprec report: it is not UTF-8 text") from None
+        _refuse_other_kinds(args.json, text)
         report = CompareReport.from_json(text)
         for i, run in enumerate(report.runs):
             try:
@@ -119,8 +133,27 @@ def handle_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_other_kinds(path: Path, text: str) -> None:
+    """A doctor or inspect report handed to ``mixprec report``: say what it is and where its view is.
+
+    The codec tags every report with its ``kind`` (lab/codec.py) and would refuse these too, but only
+    as "not a compare report"; the user needs to hear which command shows this file instead.
+    """
+    try:
+        kind = json.loads(text).get("kind")
+    except (ValueError, AttributeError):
+        return                            # not JSON, or not an object: from_json says so
+    if kind == "doctor":
+        raise ValueError(f"{path} is a doctor report ('mixprec report' renders compare reports): its "
+                         f"page is {path.with_name('doctor.html')} when doctor ran with --out DIR; to "
+                         "write it, run 'mixprec doctor ... --out DIR' again")
+    if kind == "inspect":
+        raise ValueError(f"{path} is an inspect report ('mixprec report' renders compare reports); "
+                         "'mixprec inspect' prints its tables, and the JSON is the data")
+
+
 def _print_table(report: CompareReport) -> None:
-    out = Console(highlight=False)
+    out = stdout_console()      # full values in a pipe (lab/console.py)
     out.print(render_table(report))
     for note in render_notes(report):
         out.print(note, soft_wrap=True)

@@ -17,7 +17,7 @@ from ..trainer import RunResult
 from .report import CompareReport
 
 __all__ = ["BASELINE", "render_table", "render_notes", "short_names", "memory_figure", "format_bytes",
-           "ratio_text"]
+           "ratio_text", "failed"]
 
 BASELINE = "fp32"          # the run that speed and memory ratios compare against
 
@@ -46,6 +46,8 @@ def render_table(report: CompareReport) -> Table:
     for r in report.runs:
         row = [names[r.recipe], _loss_text(r.final_loss), _metric_text(report.metric, r.test_metric),
                f"{r.samples_per_s * per:,.0f}" if math.isfinite(r.samples_per_s) else "-"]
+        if failed(report, r):       # no step was taken: its loss and metric are not results
+            row[1:3] = ["failed", "-"]
         if baseline is not None:
             row.append(ratio_text(r.samples_per_s, baseline.samples_per_s))
         row.append(format_bytes(memory_figure(r)))
@@ -54,6 +56,11 @@ def render_table(report: CompareReport) -> Table:
         row += [str(r.skipped_steps), _scale_text(r)]
         table.add_row(*row)
     return table
+
+
+def failed(report: CompareReport, run: RunResult) -> bool:
+    """True when every step of ``run`` was skipped for inf/NaN gradients: the weights never moved."""
+    return report.steps > 0 and run.skipped_steps >= report.steps
 
 
 def memory_figure(run: RunResult) -> int:
@@ -79,6 +86,12 @@ def render_notes(report: CompareReport) -> list[str]:
     """One-line notes to print under the table: what each custom recipe is, and caveats."""
     names = short_names((r.recipe, r.label) for r in report.runs)
     notes = [f"{names[r.recipe]}: {r.recipe}" for r in report.runs if names[r.recipe] != r.label]
+    notes += [f"{names[r.recipe]} FAILED: all {report.steps} steps were skipped for inf/NaN gradients, so "
+              f"the weights never changed and its loss and {report.metric} are not results; "
+              "'mixprec doctor' with this recipe, or MixedPrecision(..., trace_nonfinite=True), names the "
+              "module and op where the first inf/NaN appeared" for r in report.runs if failed(report, r)]
+    if report.partial:
+        notes.append(f"PARTIAL: interrupted; only the {len(report.runs)} recipe(s) above finished")
     if report.synthetic:
         notes.append(f"note: {report.workload} trains on random data, for speed and memory; its "
                      f"{report.metric} only shows that the numbers stayed finite")
@@ -125,4 +138,4 @@ def _scale_text(r: RunResult) -> str:
     # A recipe without loss scaling has S = 1 throughout; "none" says why better than "1".
     if get_recipe(r.recipe).loss_scale.kind == "none":
         return "none"
-    return f"{r.final_scale:g}"
+    return f"{r.final_scale:.10g}"     # every digit of 2**24 = 16777216, not 1.67772e+07

@@ -20,6 +20,8 @@ JSON schema, version 1 (one object; floats that are not finite are written as th
     higher_is_better bool     whether a larger test_metric is better (accuracy) or worse (a loss)
     synthetic        bool     random data (a benchmark): the metric only shows the numbers stayed finite
     seed             int      fixes the initial weights and the minibatch order, the same for every run
+    partial          bool     the run was interrupted: runs holds only the recipes that finished
+                              (added within version 1: a file without it reads as false)
     runs             list     one object per recipe, in the order run:
       recipe         str      the full recipe string (mixprec.parse_recipe reads it back)
       label          str      the recipe's name, or the full string for a custom recipe
@@ -59,7 +61,8 @@ class CompareReport(JsonReport):
     """One workload trained under several recipes on one device, with the same seed and steps."""
 
     # Version 1 files were written before reports had a "kind": a file without one reads as compare.
-    SCHEMA: ClassVar[Schema] = Schema("compare", 1, untagged=True)
+    # "partial" came later within version 1 (Ctrl-C keeps the finished recipes): older files lack it.
+    SCHEMA: ClassVar[Schema] = Schema("compare", 1, added=frozenset({"partial"}), untagged=True)
 
     workload: str
     metric: str
@@ -75,6 +78,7 @@ class CompareReport(JsonReport):
     tokens_per_sample: int = 0
     higher_is_better: bool = True
     synthetic: bool = False
+    partial: bool = False      # interrupted (Ctrl-C): ``runs`` holds only the recipes that finished
 
     def run(self, label: str) -> RunResult:
         """The run whose label (recipe name) is ``label``."""

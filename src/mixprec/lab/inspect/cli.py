@@ -9,9 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
 from ..cli_args import add_device_arg, add_workload_args, check_writable, recipe_words, usage_errors
+from ..console import stdout_console
 from ..compare.run import DEFAULT_RECIPES
 from .render import render_matmul_table, render_memory_table, render_notes
 from .run import plan_inspect, run_inspect
@@ -51,7 +50,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(report.to_json() + "\n")
         print(f"report written to {args.json}", file=sys.stderr)
-    out = Console(highlight=False)
+    out = stdout_console()      # full values in a pipe (lab/console.py)
     out.print(render_memory_table(report))
     out.print(render_matmul_table(report))
     for line in render_notes(report):

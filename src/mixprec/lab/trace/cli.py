@@ -12,9 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
 from ..cli_args import add_device_arg, add_workload_args, check_writable, usage_errors
+from ..console import stdout_console
 from .render import render_trace
 from .run import plan_trace, run_trace
 
@@ -55,7 +54,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(report.to_json() + "\n")
         print(f"trace written to {args.json}", file=sys.stderr)
-    out = Console(highlight=False)
+    out = stdout_console()
     if not out.is_terminal:
         out.width = max(out.width, 112)   # piped: room for aten names such as native_layer_norm_backward
     out.print(render_trace(report, plan.recipe))
