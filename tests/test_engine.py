@@ -319,3 +319,24 @@ def test_autocast_sets_tf32_off_for_fp32_and_restores_the_flags(model):
         assert torch.backends.cuda.matmul.allow_tf32 is True
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_scale_loss_for_a_trainers_own_backward_equals_mp_backward(in_backward):
+    # A trainer that runs backward itself (Lightning: loss * S; Hugging Face: the loss logged unscaled,
+    # S applied in its backward) must give mp.backward's gradients bit for bit, and step() accepts them.
+    (x, y), = batches(1)
+    by_engine, by_trainer = (MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp16")
+                             for m in (tiny_model(), tiny_model()))
+    with by_engine.autocast():
+        by_engine.backward(F.cross_entropy(by_engine.model(x), y))
+    with by_trainer.autocast():
+        loss = F.cross_entropy(by_trainer.model(x), y)
+    scaled = by_trainer.scale_loss(loss, in_backward=in_backward)
+    assert torch.equal(scaled, loss if in_backward else loss * 2.0**16)
+    scaled.backward()
+    for a, b in zip(by_engine.model.parameters(), by_trainer.model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert not by_trainer.step().skipped and not by_engine.step().skipped
+    for a, b in zip(by_engine.model.parameters(), by_trainer.model.parameters()):
+        assert torch.equal(a, b)

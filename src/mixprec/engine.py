@@ -40,7 +40,7 @@ from .grad_sync import GradSync, GroupChoice, SyncKind, local_shard
 from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
-from .loss_scale import DynamicLossScale, LossScale, NoLossScale, make_loss_scale
+from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
 from .master import MasterWeights
 from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
 from .oplists import op_list_mode
@@ -268,6 +268,18 @@ class MixedPrecision:
         self._checks.on_backward()     # warns once if the forward ran outside mp.autocast()
         with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext():
             self.loss_scale.scale(loss).backward(**kwargs)
+
+    def scale_loss(self, loss: torch.Tensor, *, in_backward: bool = False) -> torch.Tensor:
+        """``loss * S``, for a trainer that runs the backward itself (Lightning, Hugging Face). No sync.
+
+        The gradients that backward makes count as ``mp.backward``'s (the usage checks accept them).
+        ``in_backward=True`` returns the loss unchanged, for logging, and multiplies by ``S`` in its
+        backward instead (``loss_scale.ScaleInBackward``).
+        """
+        self._checks.on_backward()     # warns once if the forward ran outside mp.autocast()
+        if in_backward:
+            return ScaleInBackward.apply(loss, self.loss_scale.value)
+        return self.loss_scale.scale(loss)
 
     # --------------------------------------------------------------------- step
     def step(self) -> StepResult:

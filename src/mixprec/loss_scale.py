@@ -20,7 +20,8 @@ import torch
 from .fusion import FusedFunction
 from .recipe import LossScaleConfig
 
-__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale"]
+__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale",
+           "ScaleInBackward"]
 
 
 class LossScale(Protocol):
@@ -166,3 +167,23 @@ def make_loss_scale(config: LossScaleConfig, device: torch.device | str) -> Loss
     if config.kind == "static":
         return StaticLossScale(config.init, device)
     return DynamicLossScale(config, device)
+
+
+class ScaleInBackward(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by the loss scale ``S``.
+
+    For a trainer that logs the loss it gets back and runs ``backward`` on it itself (Hugging Face's
+    Trainer): the loss stays unscaled, the gradients come out ``S``-scaled, as ``(loss * S).backward()``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        # S is a power of two (dynamic scaling) or the user's static value: one exact multiply or one
+        # rounding in fp32, as (loss * S).backward() would do.
+        return grad * scale.to(grad.dtype), None

@@ -69,22 +69,6 @@ def _mark_fp32(model: torch.nn.Module, output_dir: str) -> None:
         config.save_pretrained(output_dir)
 
 
-class _ScaleGradFn(torch.autograd.Function):
-    """Identity forward; backward multiplies the incoming gradient by the loss scale ``S``."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(scale)
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (scale,) = ctx.saved_tensors
-        # S is a power of two (dynamic scaling) or the user's static value: one exact multiply or one
-        # rounding in fp32, as (loss * S).backward() would do.
-        return grad * scale.to(grad.dtype), None
-
-
 class _EngineOptimizer:
     """What Trainer holds as ``self.optimizer`` once the engine exists: ``step()`` is the engine's
     step; everything else (param_groups, state_dict, ...) is the prepared optimizer's."""
@@ -165,7 +149,7 @@ class MixedPrecisionTrainer(Trainer):
         if self.mixprec is None or not torch.is_grad_enabled() or not model.training:
             return result
         loss, outputs = result if return_outputs else (result, None)
-        loss = _ScaleGradFn.apply(loss, self.mixprec.loss_scale.value)
+        loss = self.mixprec.scale_loss(loss, in_backward=True)   # logged unscaled, S-scaled gradients
         return (loss, outputs) if return_outputs else loss
 
     def _engine_step(self) -> None:

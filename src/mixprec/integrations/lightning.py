@@ -87,7 +87,7 @@ class MixedPrecisionPlugin(Precision):
     # ----------------------------------------------------------------------------- backward
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if self.engine is not None:
-            tensor = self.engine.loss_scale.scale(tensor)   # loss * S: S-scaled gradients
+            tensor = self.engine.scale_loss(tensor)   # loss * S: S-scaled gradients
         return super().pre_backward(tensor, module)
 
     # --------------------------------------------------------------------------------- step
