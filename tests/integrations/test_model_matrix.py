@@ -27,6 +27,7 @@ TOLERANCE = {"fp16": 3e-3, "fp16-pure": 3e-3, "bf16": 1e-2, "bf16-pure": 1e-2, "
 LR = {"resnet18": 1e-4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", list(hf_tiny.BUILDERS))
 def test_model_trains_under_every_recipe_within_rounding_of_fp32(model_name):
     need(hf_tiny.BUILDERS[model_name][1])
