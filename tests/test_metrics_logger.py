@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec import MixedPrecision, RangeCollector
+from mixprec import MixedPrecision
+from mixprec.diagnostics import RangeCollector
 from mixprec.integrations.logging import MetricsLogger
 
 
