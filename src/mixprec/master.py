@@ -12,7 +12,7 @@ Two lifetimes, one mechanism:
   rounded back *stochastically*, so an update below half an ulp survives in expectation. The optimizer
   state stays fp32; no master copy is held.
 
-No fp32 gradient is held between steps (seed 003's 16 B/param with Adam: 2 weights + 2 gradients + 4
+No fp32 gradient is held between steps (the usual 16 B/param with Adam: 2 weights + 2 gradients + 4
 master + 8 moments). ``step`` walks the optimizer's tensors in chunks of at most ``chunk_bytes`` of fp32
 transients (the chunk's gradients, and for ``keep=False`` its weights): it casts the chunk's 16-bit
 gradients into fp32, lets the optimizer step only that chunk, rounds the result into the model and

@@ -5,7 +5,7 @@ multiplies decides, never the library it comes from (an ``xmma`` or ``cutlass`` 
 
 - tensor cores: ``hmma`` (fp16/bf16 MMA), ``imma`` (int8), ``gmma``/``wgmma``/``qgmma`` (Hopper's warpgroup
   MMA; ``q`` for fp8), ``tensorop``/``wmma`` (CUTLASS), MMA tile shapes such as ``h884``, ``s1688``,
-  ``h16816`` (seeds 001 and 003), and cuBLASLt's ``nvjet`` kernels whose type letters name a 16-bit or
+  ``h16816`` (Volta, Turing and Ampere MMA tiles), and cuBLASLt's ``nvjet`` kernels whose type letters name a 16-bit or
   fp8 operand (``hsh``: fp16 in, fp32 accumulate, fp16 out; ``tst``: bf16; ``qqtst``: e4m3 x e4m3;
   ``qrtst``: e4m3 x e5m2).
 - CUDA cores (SIMT): ``ffma`` (one fused multiply-add per thread), ``simt``, ``sgemm``/``dgemm``/``gemv``,
