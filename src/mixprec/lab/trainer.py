@@ -69,7 +69,7 @@ class RunResult:
     wall_s: float                    # seconds for the whole run: build, train, evaluate
     eval_steps: tuple[int, ...]      # steps after which the test metric was measured (the last included)
     eval_metrics: tuple[float, ...]  # the test metric at each of eval_steps
-    memory: MemoryBreakdown          # bytes by role, measured on the first step; CUDA peak for the run
+    memory: MemoryBreakdown          # bytes by role, measured on the first step taken (not skipped); CUDA peak for the run
 
 
 def check_steps(steps: object) -> int:

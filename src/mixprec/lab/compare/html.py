@@ -69,7 +69,7 @@ def render_html(report: CompareReport) -> str:
                 f"Training {rate} per recipe (warm-up steps excluded), with the ratio to {BASELINE} "
                 "when it ran: taller is faster."),
         _figure("plot-memory", _memory_plot(report.runs, labels),
-                "Bytes held by role on the first step, stacked per recipe; the number on top is the "
+                "Bytes held by role on the first step taken, stacked per recipe; the number on top is the "
                 "table's memory figure" + (", the CUDA allocator's peak for the run, which the black bar "
                                            "marks." if any(r.memory.peak is not None for r in report.runs)
                                            else ", their sum.")),

@@ -101,7 +101,8 @@ def render_notes(report: CompareReport) -> list[str]:
     if any(r.memory.peak is None for r in report.runs):
         notes.append("loss: mean train loss over the last 10% of steps; memory: weights + gradients + "
                      "master copies + optimizer state + activations saved for backward, counted on the "
-                     "first step; speed and mem: ratios to fp32")
+                     "first step taken (a skipped one has no optimizer state yet); speed and mem: "
+                     "ratios to fp32")
     return notes
 
 

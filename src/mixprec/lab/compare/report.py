@@ -37,7 +37,7 @@ JSON schema, version 1 (one object; floats that are not finite are written as th
                               pays torch's one-time lazy imports, about a second)
       eval_steps     [int]    steps after which the test metric was measured (the last step included)
       eval_metrics   [float]  the test metric at each of eval_steps
-      memory         object   bytes by role, measured on the first step:
+      memory         object   bytes by role, measured on the first step taken (not skipped):
         params, grads, master, optimizer, activations   int
         peak         int|null the CUDA allocator's peak over the run; null on other devices
 
