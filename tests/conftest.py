@@ -71,6 +71,14 @@ def _sync_is_an_error():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def fp8_gpu() -> None:
+    """Skip the calling test, with the reason, where the GPU has no fp8 matmuls (compute capability < 8.9)."""
+    from mixprec.fp8 import probe_scaled_mm
+    support = probe_scaled_mm("cuda")
+    if not support.ok:
+        pytest.skip(f"no fp8 matmuls on this GPU: {support.reason}")
+
+
 @pytest.fixture
 def no_sync():
     """``with no_sync(): ...`` raises RuntimeError at the first call that makes the host wait for the GPU.

@@ -10,17 +10,13 @@ from torch import nn
 
 import mixprec
 from mixprec import FP8_E4M3, FP8_E5M2, Fp8Config
-from mixprec.fp8 import Fp8Linear
-from mixprec.fp8 import cast_to_fp8, current_scale, emulated_mm, probe_scaled_mm, quantize_fp8, scaled_mm
+from mixprec.fp8 import (Fp8Linear, cast_to_fp8, current_scale, emulated_mm, probe_scaled_mm, quantize_fp8,
+                         scaled_mm)
+
+from conftest import fp8_gpu  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
-
-
-def fp8_gpu():
-    support = probe_scaled_mm("cuda")
-    if not support.ok:
-        pytest.skip(f"no fp8 matmuls on this GPU: {support.reason}")
 
 
 def sqnr_db(ref, x):

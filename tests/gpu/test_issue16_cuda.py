@@ -10,18 +10,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixprec import MixedPrecision, memory_report
-from mixprec.fp8 import Fp8Conv1D, Fp8Linear, is_hf_conv1d, probe_scaled_mm
+from mixprec.fp8 import Fp8Conv1D, Fp8Linear, is_hf_conv1d
 from mixprec.devices import _probe
 from mixprec.recipe import Fp8Config
 
+from conftest import fp8_gpu  # noqa: E402
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]
-
-
-def fp8_gpu():
-    support = probe_scaled_mm("cuda")
-    if not support.ok:
-        pytest.skip(f"no fp8 matmuls on this GPU: {support.reason}")
 
 
 class Conv1D(nn.Module):
