@@ -11,6 +11,7 @@ import importlib as _importlib
 import warnings as _warnings
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .chunked_loss import cross_entropy
 from .devices import Support, supports
 from .diagnostics.memory_report import MemoryReport, memory_report
 from .engine import Fp8EmulationWarning, MixedPrecision, StepResult
@@ -26,6 +27,8 @@ __all__ = [
     # recipes
     "Recipe", "RECIPES", "get_recipe", "parse_recipe", "Precision", "LossScaleConfig", "Fp8Config",
     "autocast_op_lists",
+    # the loss, in fp32 without a full fp32 copy of the logits
+    "cross_entropy",
     # number formats
     "Format", "FORMATS", "get_format", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2",
     # checkpoints, memory, capabilities

@@ -113,6 +113,12 @@ def saved_by(groups: dict[tuple[str, str], int]) -> tuple[tuple[str, str, int], 
     return tuple(sorted(((op, dt, b) for (op, dt), b in groups.items()), key=lambda g: (-g[2], g[0], g[1])))
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a node on this thread (the backward, not the forward)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
+
+
 class SavedTensorMeter:
     """Counts the bytes autograd saves for backward while the context is open, by dtype and by op.
 
@@ -132,7 +138,9 @@ class SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
+        # A tensor saved while the backward runs (a recomputation: activation checkpointing, a chunked
+        # loss) belongs to a graph that dies within the backward: a transient, not a saved activation.
+        if t.device.type != "meta" and not _in_backward():
             key = storage_key(t)
             if key not in self._excluded:
                 self._saved[key] = t.untyped_storage().nbytes()

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..chunked_loss import cross_entropy as chunked_cross_entropy
+
 __all__ = ["Split", "Workload", "accuracy", "cross_entropy", "mean_cross_entropy"]
 
 
@@ -91,9 +93,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (nats) over every position: ``(..., V)`` logits against ``(...)`` targets.
 
     ``(B, V)`` class logits and ``(B, T, V)`` next-token logits alike: the leading dimensions are
-    flattened, so each token counts once.
+    flattened, so each token counts once. Computed in fp32 chunk by chunk from the logits as they come
+    (:func:`mixprec.cross_entropy`): no full fp32 copy of a language model's logits is saved.
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return chunked_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> float:
