@@ -9,13 +9,25 @@ Under a 16-bit recipe some tensors autograd saves are still fp32 (``mixprec insp
   branch outputs promote to fp32), log-softmax outputs of the fp32 loss. Rounding these to bf16 for the
   backward is a real, if small, change: the backward sees them with bf16's 8-bit mantissa.
 
-``Saved`` (the recipe's ``saved=`` key) picks the policy: ``fp32`` keeps everything as autograd made it,
-``exact`` (the default) stores exact upcasts in their 16-bit source dtype, ``low`` also rounds every
-differentiable fp32 activation to bf16 (bf16: fp32's range, so nothing overflows). Norm statistics and
-other tensors without a ``grad_fn`` stay as they are. ``SavedPacker`` is the ``saved_tensors_hooks``
-pair that does it; the engine enters it inside ``autocast()``. It composes with hooks entered around
-it (``SavedTensorMeter`` counts the packed 16-bit tensors). No host sync; one cast per packed tensor in
-the forward and one back to fp32 per use in the backward.
+``Saved`` (the recipe's ``saved=`` key) picks the policy: ``fp32`` keeps everything as autograd made it;
+``exact`` stores exact upcasts in their 16-bit source dtype, losslessly, and trains bit for bit like
+torch.autocast; ``low`` (the default) also rounds the other differentiable fp32 activations made under
+autocast to bf16 (bf16: fp32's range, so nothing overflows). Not rounded, whatever the policy: softmax and
+log-softmax outputs (the backward takes their exponential, which would carry bf16's error times the
+log-probability), tensors saved inside a region the recipe keeps in fp32 (autocast is off there), norm
+statistics and other tensors without a ``grad_fn``.
+
+Why ``low`` is the default: under an autocast recipe the residual stream of a transformer is fp32 (fp32
+embeddings plus 16-bit branch outputs), and every norm saves its input. Those fp32 saves are a sixth of
+gpt2's activations under bf16. Rounding them for the backward only (the forward stays exact) perturbs the
+gradient by less than bf16 compute already does (``tests/test_saved16.py``), and gpt and cnn train within
+fp32's seed-to-seed noise with it (benchmarks/RESULTS.md); Megatron-style bf16 training keeps the whole
+residual stream in bf16, forward included. ``saved=exact`` is one key away for bit parity with torch.amp.
+
+``SavedPacker`` is the ``saved_tensors_hooks`` pair that does it; the engine enters it inside
+``autocast()``. It composes with hooks entered around it (``SavedTensorMeter`` counts the packed 16-bit
+tensors). No host sync; one cast per packed tensor in the forward and one back to fp32 per use in the
+backward.
 
     >>> a = torch.randn(4, requires_grad=True)
     >>> with SavedPacker(Saved.EXACT):
@@ -32,7 +44,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["Saved", "SavedPacker"]
+__all__ = ["Saved", "SavedPacker", "upcast_source"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -41,8 +53,8 @@ class Saved(enum.Enum):
     """Which fp32 activations a 16-bit recipe saves in 16 bits (``saved=`` in a recipe string)."""
 
     FP32 = "fp32"     # as autograd made them
-    EXACT = "exact"   # exact upcasts of 16-bit tensors kept in 16 bits: lossless (the default)
-    LOW = "low"       # and every other differentiable fp32 activation rounded to bf16
+    EXACT = "exact"   # exact upcasts of 16-bit tensors kept in 16 bits: lossless, torch.autocast's numbers
+    LOW = "low"       # and other fp32 activations made under autocast rounded to bf16 (the default)
 
     @classmethod
     def parse(cls, word: str) -> Saved:
@@ -50,18 +62,30 @@ class Saved(enum.Enum):
             return cls(word.strip().lower())
         except ValueError:
             raise ValueError(f"unknown saved {word!r}; valid values: {', '.join(s.value for s in cls)} "
-                             "(exact: lossless, the default; low: fp32 activations rounded to bf16)"
+                             "(exact: lossless; low, the default: fp32 activations rounded to bf16 for the backward)"
                              ) from None
 
 
-def _upcast_source(t: torch.Tensor) -> torch.dtype | None:
-    """The 16-bit dtype ``t`` was cast up from, when ``t`` is an fp32 cast of a 16-bit tensor; else None.
+# Autograd nodes of ops whose result holds some of their input's values unchanged (views, copies of a
+# part): a view of an upcast still holds 16-bit values.
+_VIEW_NODES = ("ViewBackward", "ReshapeAliasBackward", "UnsafeViewBackward", "TBackward", "TransposeBackward",
+               "PermuteBackward", "SliceBackward", "SelectBackward", "ExpandBackward", "SqueezeBackward",
+               "UnsqueezeBackward", "AliasBackward", "CloneBackward")
+
+
+def upcast_source(t: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype ``t``'s values were cast up from, when ``t`` is an fp32 cast of a 16-bit tensor
+    (or a view of one); else None. Then ``t.to(that dtype)`` is exact and ``.float()`` gives ``t`` back.
 
     Autograd records the cast as ``ToCopyBackward0``; the node that made its source records the source's
     dtype in its input metadata (torch 2.5+; older torch: None, nothing is packed).
     """
     fn = t.grad_fn
-    if fn is None or t._base is not None or not fn.name().startswith("ToCopyBackward"):
+    if t.dtype != torch.float32 or fn is None:
+        return None
+    while fn is not None and fn.name().startswith(_VIEW_NODES) and fn.next_functions:
+        fn = fn.next_functions[0][0]
+    if fn is None or not fn.name().startswith("ToCopyBackward"):
         return None
     source, index = fn.next_functions[0] if fn.next_functions else (None, 0)
     metadata = getattr(source, "_input_metadata", None) if source is not None else None
@@ -69,6 +93,27 @@ def _upcast_source(t: torch.Tensor) -> torch.dtype | None:
         return None
     dtype = metadata[index].dtype
     return dtype if dtype in _LOW else None
+
+
+def _upcast_source(t: torch.Tensor) -> torch.dtype | None:
+    """``upcast_source`` for the packer, which keeps views as autograd saved them (a view's 16-bit copy
+    would be a second tensor beside its base's)."""
+    return None if t._base is not None else upcast_source(t)
+
+
+# Outputs whose backward exponentiates them: exp(round(logp)) = p * (1 + |logp| * 2**-9) at worst.
+_KEEP_FP32 = ("SoftmaxBackward", "LogSoftmaxBackward")
+
+
+def _roundable(t: torch.Tensor) -> bool:
+    """Whether ``saved=low`` may round this fp32 activation to bf16: made by a differentiable op, not a
+    (log-)softmax, under autocast (an fp32 region of the recipe turns autocast off)."""
+    if t.grad_fn is None or t.grad_fn.name().startswith(_KEEP_FP32):
+        return False
+    try:
+        return torch.is_autocast_enabled(t.device.type)
+    except TypeError:      # torch < 2.4: one switch for CUDA, another for CPU
+        return torch.is_autocast_cpu_enabled() if t.device.type == "cpu" else torch.is_autocast_enabled()
 
 
 class SavedPacker:
@@ -86,7 +131,7 @@ class SavedPacker:
         packed, upcast = t, False
         if t.dtype == torch.float32 and self.policy is not Saved.FP32:
             dtype, label = _upcast_source(t), "cast"
-            if dtype is None and self.policy is Saved.LOW and t.grad_fn is not None:
+            if dtype is None and self.policy is Saved.LOW and _roundable(t):
                 dtype, label = torch.bfloat16, t.grad_fn.name().rsplit("Backward", 1)[0]
             if dtype is not None:
                 ref = StorageWeakRef(t.untyped_storage())
