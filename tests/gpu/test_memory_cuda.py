@@ -99,12 +99,45 @@ def test_bf16_moments_resume_bit_for_bit_on_cuda():
         assert torch.equal(u, v)
 
 
-def test_exact_saves_train_bit_for_bit_on_cuda():
+@pytest.mark.parametrize("recipe", ["bf16-pure", "bf16"])
+def test_exact_saves_train_bit_for_bit_on_cuda(recipe):
     model, x, y = model_and_data()
     twin = copy.deepcopy(model)
-    a = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-pure")
-    b = mixprec.MixedPrecision(twin, torch.optim.AdamW(twin.parameters()), "bf16-pure,saved=fp32")
+    a = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), recipe + ",saved=exact")
+    b = mixprec.MixedPrecision(twin, torch.optim.AdamW(twin.parameters()), recipe + ",saved=fp32")
     run(a, x, y, 3)
     run(b, x, y, 3)
     for u, v in zip(model.state_dict().values(), twin.state_dict().values()):
         assert torch.equal(u, v)
+
+
+def test_chunked_cross_entropy_gradient_equals_autocasts_and_its_peak_is_chunk_sized():
+    rows, vocab = 2048, 50304
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(rows, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = F.cross_entropy(x, t)            # CUDA autocast: log_softmax in fp32 from the bf16 logits
+    (want,) = torch.autograd.grad(ref, x)
+    got = mixprec.cross_entropy(x, t)
+    (have,) = torch.autograd.grad(got, x)
+    assert torch.equal(have, want)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+
+    def backward_peak(loss_fn):
+        loss = loss_fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.autograd.grad(loss, x)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    full = rows * vocab * 4
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        plain = backward_peak(lambda: F.cross_entropy(x, t))
+    chunked = backward_peak(lambda: mixprec.cross_entropy(x, t))
+    # torch: the saved fp32 log-probabilities are already counted in `before`; the backward adds an
+    # fp32 gradient (and the bf16 result). Chunked: the bf16 result and three 32 MiB fp32 chunks.
+    assert plain >= full
+    assert chunked <= full // 2 + 3 * (32 << 20) + (8 << 20)
