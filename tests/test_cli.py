@@ -440,3 +440,6 @@ def test_recipe_words_let_a_named_recipe_be_tweaked_on_the_command_line():
                      "params=bf16,compute=bf16,rounding=stochastic"]
     assert [parse_recipe(w).label for w in words][-1] == "bf16-sr"
     assert str(parse_recipe(words[2])).endswith("compute=bf16,master=none,scale=none,fp8=delayed(margin=1)")
+    # Every key that is not params/compute/master edits the recipe before it, the memory keys too.
+    assert _recipe_words(["fp32,bf16,saved=exact,bf16-sr,moments=bf16-sr"]) == [
+        "fp32", "bf16,saved=exact", "bf16-sr,moments=bf16-sr"]

@@ -90,7 +90,8 @@ def recipe_words(values: Sequence[str] | None, default: Sequence[str] = ()) -> l
 
 # Keys that tweak the named recipe before them (fp16,scale=static:1024; fp8-delayed,fp8=delayed(margin=1));
 # params, compute and master start a recipe of their own (fp32,params=bf16,compute=bf16 is two).
-_EDIT_KEYS = {"fp32_ops", "low_ops", "follow_ops", "modules", "scale", "fp8", "rounding", "fp32_modules"}
+_EDIT_KEYS = {"fp32_ops", "low_ops", "follow_ops", "modules", "scale", "fp8", "rounding", "fp32_modules",
+              "moments", "saved"}
 
 
 def make_out_dir(path: Path, files: tuple[str, str] = ("report.json", "report.html")) -> None:
