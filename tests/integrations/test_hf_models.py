@@ -89,3 +89,36 @@ def test_gpt2_fp8_run_differs_from_bf16():
             mp.zero_grad()
         losses[recipe] = float(loss.detach())
     assert losses["fp8"] != losses["bf16"]
+
+
+def test_chunked_causal_lm_loss_gives_the_same_gradients_and_saves_no_fp32_log_probs():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from mixprec.diagnostics.memory import SavedTensorMeter
+    from mixprec.integrations.hf import causal_lm_loss, use_chunked_loss
+
+    for build in (hf_tiny.llama, hf_tiny.gpt2):
+        model, make_batch, loss_of = build()
+        twin = copy.deepcopy(model)
+        assert use_chunked_loss(twin) and twin.loss_function is causal_lm_loss
+        assert not use_chunked_loss(twin)                      # only transformers' own loss is replaced
+        ids = make_batch(0)
+        results = []
+        for m in (model, twin):
+            mp = MixedPrecision(m, torch.optim.AdamW(m.parameters(), lr=1e-3), "bf16")
+            torch.manual_seed(1)                                   # GPT-2's dropout: the same masks
+            with SavedTensorMeter(m) as meter, mp.autocast():
+                out = m(input_ids=ids, labels=ids)
+            mp.backward(out.loss)
+            results.append((out.loss.detach(), [p.grad.clone() for p in m.parameters()], meter.groups))
+        (loss_a, grads_a, saved_a), (loss_b, grads_b, saved_b) = results
+        torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+        logprobs = ids.numel() * hf_tiny.VOCAB * 4                  # 4 x 16 tokens x 64 entries, fp32
+        assert saved_a.get(("LogSoftmax", "float32")) == logprobs and ("LogSoftmax", "float32") not in saved_b
+    # Gradient accumulation's form: a sum over the tokens divided by the count over all micro-batches.
+    logits = torch.randn(2, 8, hf_tiny.VOCAB).to(torch.bfloat16)
+    labels = torch.randint(0, hf_tiny.VOCAB, (2, 8))
+    n = torch.tensor(40)
+    torch.testing.assert_close(causal_lm_loss(logits, labels, hf_tiny.VOCAB, num_items_in_batch=n),
+                               ForCausalLMLoss(logits, labels, hf_tiny.VOCAB, num_items_in_batch=n), rtol=1e-6, atol=0)

@@ -18,13 +18,14 @@ _IDS = torch.randint(0, hf_tiny.VOCAB, (32, 16), generator=torch.Generator().man
 DATA = [{"input_ids": row, "labels": row} for row in _IDS]
 
 
-def _trainer(out_dir, recipe, *, steps=6, optim="adamw_torch", lr=1e-3, resume=None, **extra):
+def _trainer(out_dir, recipe, *, steps=6, optim="adamw_torch", lr=1e-3, resume=None, chunked_loss=True, **extra):
     args = TrainingArguments(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=4,
                              gradient_accumulation_steps=2, learning_rate=lr, optim=optim, logging_steps=1,
                              save_steps=3, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                              max_grad_norm=1.0, **extra)
     model, _, _ = hf_tiny.llama()
-    trainer = MixedPrecisionTrainer(model=model, args=args, train_dataset=DATA, recipe=recipe)
+    trainer = MixedPrecisionTrainer(model=model, args=args, train_dataset=DATA, recipe=recipe,
+                                    chunked_loss=chunked_loss)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -56,6 +57,18 @@ def test_grad_norm_logged_is_the_unscaled_one_and_clipping_acts_on_it(runs):
         p_pure = masters.get(id(p), p).detach().float()
         # fp16-pure moved as fp32 did, to within fp16 rounding of the update.
         assert (p_pure - p_ref.detach()).norm() <= 0.05 * moved + 1e-6, name
+
+
+def test_the_chunked_loss_trains_bit_for_bit_like_the_models_own(tmp_path):
+    # Under gradient accumulation (2 micro-batches) Trainer passes num_items_in_batch: the sum form.
+    from mixprec.integrations.hf import causal_lm_loss
+    chunked = _trainer(tmp_path / "chunked", "bf16")
+    own = _trainer(tmp_path / "own", "bf16", chunked_loss=False)
+    assert chunked.chunked_loss and chunked.model.loss_function is causal_lm_loss
+    assert not own.chunked_loss and own.model.loss_function.__name__ == "ForCausalLMLoss"
+    assert _logs(chunked, "loss") == pytest.approx(_logs(own, "loss"), rel=1e-6)
+    for a, b in zip(chunked.model.parameters(), own.model.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_checkpoint_resumes_bit_for_bit_and_exports_fp32(tmp_path):

@@ -26,6 +26,12 @@ with ``accelerator.clip_grad_norm_`` and calls ``optimizer.step()`` itself, and 
   histories), and ``resume_from_checkpoint`` restores it, so a resumed run continues bit for bit.
 - **export**: ``save_model``/``save_pretrained`` through the trainer write fp32 weights, the master
   copies under pure recipes (``mixprec.export.fp32_state_dict``), never the bf16/fp16 rounding.
+- **the loss**: a causal LM's own loss (``ForCausalLMLoss``) upcasts the logits and lets
+  ``F.cross_entropy`` save fp32 log-probabilities: 4 bytes per token per vocabulary entry (Llama 3, 128k
+  vocabulary, 8 x 4096 tokens: 16.8 GB). The trainer sets ``model.loss_function`` to
+  :func:`causal_lm_loss`, the same loss through ``mixprec.cross_entropy``, which saves the 16-bit
+  logits the model's output already holds; the gradient is the same bit for bit. ``chunked_loss=False``
+  keeps the model's own. :func:`use_chunked_loss` does it for a loop of your own (Accelerate, plain torch).
 
 The engine is built on the first training step, on the model and optimizer Accelerate prepared.
 Leave ``TrainingArguments(fp16=..., bf16=...)`` off: the recipe is the precision.
@@ -44,13 +50,50 @@ except ImportError as exc:   # pragma: no cover - exercised where transformers i
     raise ImportError("mixprec.integrations.hf needs Hugging Face transformers: "
                       "pip install 'mixprec[hf]'") from exc
 
+from ..chunked_loss import cross_entropy
 from ..engine import MixedPrecision, StepResult
 from ..export import fp32_state_dict
 from ..recipe import Recipe, get_recipe
 
-__all__ = ["MixedPrecisionTrainer", "save_pretrained_fp32", "ENGINE_STATE_NAME"]
+__all__ = ["MixedPrecisionTrainer", "save_pretrained_fp32", "ENGINE_STATE_NAME", "causal_lm_loss",
+           "use_chunked_loss"]
 
 ENGINE_STATE_NAME = "mixprec.pt"     # the engine's state, beside Trainer's files in a checkpoint folder
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                   num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
+                   shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` (next-token cross-entropy, labels shifted by one, mean over
+    the counted tokens or sum / ``num_items_in_batch`` under gradient accumulation) without its fp32
+    copy of the logits: :func:`mixprec.cross_entropy` computes in fp32 chunk by chunk and saves the
+    logits as they are. Same signature, same value, the same gradient bit for bit."""
+    if shift_labels is None:
+        # Tokens < n predict n: pad the labels by one ignored position and drop the first.
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logits = logits.reshape(-1, vocab_size)
+    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return cross_entropy(logits, shift_labels, ignore_index=ignore_index)
+    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def use_chunked_loss(model: torch.nn.Module) -> bool:
+    """Give a Hugging Face causal LM :func:`causal_lm_loss` as its ``loss_function``; True when it did.
+
+    Only a model whose loss is transformers' own ``ForCausalLMLoss`` is changed: a custom loss, or
+    another task's (sequence classification, masked LM), is left alone.
+    """
+    inner = getattr(model, "module", model)      # DDP / Accelerate wrappers
+    own = getattr(inner, "loss_function", None)
+    # Recognised by name, so that nothing more of transformers is imported than the model did.
+    if getattr(own, "__name__", None) != "ForCausalLMLoss" or not own.__module__.startswith("transformers."):
+        return False
+    inner.loss_function = causal_lm_loss
+    return True
 
 
 def save_pretrained_fp32(engine: MixedPrecision, output_dir: str, **kwargs: Any) -> None:
@@ -98,9 +141,10 @@ class MixedPrecisionTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, recipe: str | Recipe = "bf16", engine_options: dict | None = None,
-                 **kwargs: Any) -> None:
+                 chunked_loss: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recipe = get_recipe(recipe)
+        self.chunked_loss = chunked_loss and use_chunked_loss(self.model)
         if getattr(self.args, "fp16", False) or getattr(self.args, "bf16", False):
             raise ValueError("TrainingArguments has fp16=True or bf16=True: that turns on Accelerate's own "
                              "autocast and scaler beside mixprec's. Leave both off; the recipe "
