@@ -25,10 +25,12 @@ vanish if added to fp16 or bf16 weights (:func:`update_lost`), the reason master
     ranges = collector.result()       # one host sync; RangesResult, per module
     ranges.module("0").stats["weight_grads"].fraction("fp16", "flush")
 
-Cost while collecting: about a dozen kernels per activation and activation gradient, a fixed number
-for all weights, weight gradients and updates together (one :meth:`RangeHistogram.add_segments`
-each), no host sync; memory: one fp32 copy of the weights and one of the gradients per step, and
-scratch buffers of 12 bytes per value of the largest piece (2**19 values) counted. Off, nothing is
+Cost while collecting: one compiled counting kernel and a ``bincount`` per large activation and
+activation gradient (:mod:`.range_bins`), one copy per small one (:mod:`.range_batch`, counted
+together at the end of the block), a fixed number for all weights, weight gradients and updates
+together (one :meth:`RangeHistogram.add_segments` each), no host sync; memory: one fp32 copy of the
+weights and one of the gradients per step, an 8 MiB buffer for the small tensors, and scratch
+buffers of 12 bytes per value of the largest piece (2**19 values) counted. Off, nothing is
 installed; ``RangeCollector(mp, every=k)`` counts only every k-th step.
 """
 
@@ -46,6 +48,7 @@ from torch import nn
 
 from ..formats import BF16, FP16, Format, get_format, quantize
 from ..loss_scale import NoLossScale
+from .range_batch import SmallTensorBatch
 from .range_histogram import RangeHistogram, TensorStats
 
 __all__ = ["KINDS", "UPDATE_FORMATS", "ModuleRanges", "RangeCollector", "RangesResult", "UpdateLoss",
@@ -217,14 +220,17 @@ class RangeCollector:
     Each parameter belongs to the first selected module that owns it (a tied weight is counted once).
     ``every=k`` samples: of the blocks opened with ``collecting()``, the 1st, (k+1)th, ... are counted
     and the others run as with ``enabled=False`` (nothing installed), dividing the average cost by
-    about k; ``steps`` in the result counts the sampled steps only.
+    about k; ``steps`` in the result counts the sampled steps only. ``fused=False`` counts with eager
+    torch ops only (the same numbers, more kernels; see :mod:`.range_bins`).
     """
 
-    def __init__(self, engine: Any, modules: Sequence[str] | None = None, every: int = 1) -> None:
+    def __init__(self, engine: Any, modules: Sequence[str] | None = None, every: int = 1,
+                 fused: bool = True) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (count every k-th step; 1 counts all), "
                              f"got {every!r}")
         self.every = every
+        self.fused = fused
         self._opened = 0     # blocks opened with enabled=True, sampled or not
         self.engine = engine
         model: nn.Module = engine.model
@@ -248,6 +254,7 @@ class RangeCollector:
             if own:
                 self._params[name] = own
         self._hist: dict[tuple[str, str], RangeHistogram] = {}
+        self._batch = SmallTensorBatch(engine.device)   # small activations and gradients, counted together
         self._lost: dict[str, torch.Tensor] = {}   # per module: lost updates per format
         self._before: torch.Tensor | None = None
         self._collecting = False
@@ -277,12 +284,13 @@ class RangeCollector:
             self._collecting = False
             for h in handles:
                 h.remove()
+            self._batch.flush()
         self.steps += 1
 
     def _histogram(self, name: str, kind: str) -> RangeHistogram:
         key = (name, kind)
         if key not in self._hist:
-            self._hist[key] = RangeHistogram(self.engine.device)
+            self._hist[key] = RangeHistogram(self.engine.device, fused=self.fused)
         return self._hist[key]
 
     def _inverse_scale(self) -> torch.Tensor | None:
@@ -294,13 +302,13 @@ class RangeCollector:
     def _forward_hook(self, name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             for t in _floating_tensors(output):
-                self._histogram(name, "activations").add(t)
+                self._batch.add(self._histogram(name, "activations"), t)
                 if t.requires_grad:
                     t.register_hook(lambda g, name=name: self._grad_hook(name, g))
         return hook
 
     def _grad_hook(self, name: str, grad: torch.Tensor) -> None:
-        self._histogram(name, "activation_grads").add(grad, self._inverse_scale())
+        self._batch.add(self._histogram(name, "activation_grads"), grad, self._inverse_scale())
 
     # --------------------------------------------------------- engine step observer protocol
     def before_step(self, engine: Any) -> None:
@@ -355,6 +363,7 @@ class RangeCollector:
     # ------------------------------------------------------------------------------ result
     def result(self) -> RangesResult:
         """What was counted, per module in model order. One host sync per counter (at the end only)."""
+        self._batch.flush()      # a gradient hook that fired after its block closed waits there
         modules = []
         for name, module in self._modules.items():
             stats = {kind: self._hist[(name, kind)].result() for kind in KINDS if (name, kind) in self._hist}
