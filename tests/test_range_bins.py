@@ -15,7 +15,7 @@ from mixprec.diagnostics import range_batch, range_bins
 from mixprec.diagnostics.range_batch import SmallTensorBatch
 from mixprec.diagnostics.range_bins import (N_BINS, RANGE_FORMATS, bin_tables, boundaries, count_piece,
                                             format_thresholds, fused_binning)
-from mixprec.diagnostics.range_collector import RangeCollector
+from mixprec.diagnostics.range_collector import RangeCollector, update_lost
 from mixprec.diagnostics.range_histogram import RangeHistogram
 from mixprec.formats import classify
 from mixprec.fusion import FusionWarning
@@ -208,3 +208,23 @@ def test_collector_routes_and_batch_give_the_same_counts():
     norm = fused.module("1").stats["activations"]
     assert norm.count == 2 * 32 * 16 and norm.zeros == 0   # counted before the ReLU zeroed half of it
     assert fused.module("2").stats["activations"].zeros > 0
+
+
+def test_fused_lost_update_masks_equal_update_lost():
+    # Weights at fp16/bf16 edges (zero, subnormals, powers of two, max, past max, inf, NaN); updates of
+    # every size around their half-gaps: w * 2**-k, both signs, and one fp32 ulp either side (ties).
+    from mixprec.diagnostics import range_collector
+    from mixprec.diagnostics.range_collector import UPDATE_FORMATS
+    w = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, 2.0**-14, 2.0**-24, 3 * 2.0**-24, 2.0**-133, 1 / 3, 65504.0,
+                      -65504.0, 65520.0, 1e30, 3.38e38, math.inf, math.nan])
+    k = torch.arange(0, 31, dtype=torch.float32)
+    base = (w.abs().clamp(min=2.0**-30).nan_to_num(posinf=1.0)[:, None] * torch.exp2(-k)[None, :]).flatten()
+    near = torch.cat([base, torch.nextafter(base, torch.tensor(0.0)), torch.nextafter(base, torch.tensor(math.inf))])
+    u = torch.cat([near, -near, torch.tensor([0.0, -0.0, math.inf, math.nan, 1e-45])])
+    ww = w.repeat(u.numel() // w.numel() + 1)[:u.numel()]
+    for shift in range(w.numel()):                     # every weight meets every update
+        wi = ww.roll(shift)
+        fused = range_collector._lost_masks(wi, u)
+        for fmt, mask in zip(UPDATE_FORMATS, fused):
+            assert torch.equal(mask, update_lost(wi, u, fmt)), (fmt.name, shift)
+    assert range_collector._fused_lost.broken is None and range_collector._fused_lost._compiled is not None

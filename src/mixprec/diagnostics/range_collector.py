@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..formats import BF16, FP16, Format, get_format, quantize
+from ..fusion import FusedFunction
 from ..loss_scale import NoLossScale
 from .range_batch import SmallTensorBatch
 from .range_histogram import RangeHistogram, TensorStats
@@ -60,6 +61,33 @@ _LOST_GROUP = 1 << 19    # values per pass of the lost-update count in the colle
 
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_MAX_CODES: dict[tuple[str, torch.dtype], int] = {}
+
+
+def _max_code(fmt: Format, stored: torch.dtype, int_dtype: torch.dtype) -> int:
+    """``fmt.max``'s bit pattern in its storage dtype, as a Python int (kept: traced code reads it as
+    a constant, where computing it would read a tensor back)."""
+    key = (fmt.name, stored)
+    if key not in _MAX_CODES:
+        _MAX_CODES[key] = int(torch.tensor(fmt.max).to(stored).view(int_dtype))
+    return _MAX_CODES[key]
+
+
+def _lost_fp16_bf16(w32: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`update_lost` for each of :data:`UPDATE_FORMATS`, from the same fp32 weights and updates."""
+    bits = _update_bits(u)
+    return tuple(_lost(w32, *bits, f) for f in UPDATE_FORMATS)
+
+
+# One compiled kernel for both formats' masks (about forty eager passes over the weights otherwise).
+_fused_lost = FusedFunction(_lost_fp16_bf16, "lost-update count")
+
+
+def _lost_masks(w32: torch.Tensor, u: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, ...]:
+    """:func:`_lost_fp16_bf16`, compiled unless ``fused=False``; the constants it reads are made first."""
+    for f in UPDATE_FORMATS:
+        _max_code(f, f.torch_dtype, _INT_VIEW[f.torch_dtype.itemsize])
+    return _fused_lost(w32, u, fused=fused)
 
 
 def update_lost(w: torch.Tensor, u: torch.Tensor, fmt: str | Format) -> torch.Tensor:
@@ -122,7 +150,7 @@ def _lost(w32: torch.Tensor, u_bits: torch.Tensor, size_bits: torch.Tensor, fmt:
     top_gap = 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits)   # the gap just below max
     half_gap.nan_to_num_(nan=top_gap, posinf=top_gap).mul_(0.5)   # a power of two: halving is exact
     # No update is lost on a non-finite w_q: the smallest non-finite code is one step above max's.
-    first_nonfinite = int(torch.tensor(fmt.max).to(stored.dtype).view(int_dtype)) + step
+    first_nonfinite = _max_code(fmt, stored.dtype, int_dtype) + step
     half_gap.masked_fill_(magnitude >= first_nonfinite, 0.0)
     # With odd = w_q's last significand bit, "lost" is 0 < |u| < half_gap, or |u| == half_gap with
     # w_q even: 0 < |u|_bits < half_bits + 1 - odd, i.e. size_bits (= |u|_bits - 1, zero at the top)
@@ -351,8 +379,7 @@ class RangeCollector:
             if sum(group) < _LOST_GROUP and i + 1 < len(sizes):
                 continue
             stop = start + sum(group)
-            w, bits = w_before[start:stop], _update_bits(update[start:stop])
-            masks = [_lost(w, *bits, f).split(group) for f in UPDATE_FORMATS]
+            masks = [m.split(group) for m in _lost_masks(w_before[start:stop], update[start:stop], self.fused)]
             lost += [torch.count_nonzero(m[j]) for j in range(len(group)) for m in masks]
             start, group = stop, []
         step_counts = torch.stack(lost).view(len(names), len(UPDATE_FORMATS)) * keep.to(torch.int64)
