@@ -1,15 +1,17 @@
 """The cost of the doctor's range collection: a plain engine step against one with collection off and on.
 
-Three variants of the same training step (forward, backward, ``mp.step()``, ``zero_grad``) on a built-in
+Four variants of the same training step (forward, backward, ``mp.step()``, ``zero_grad``) on a built-in
 workload's model, batch and optimizer, interleaved (plain, off, on, then off, on, plain, ...: the order
 rotates) so drift in clock speed or load hits all alike:
 
 - plain: no collector at all;
 - off:   ``with collector.collecting(enabled=False)``: must install nothing and cost nothing;
 - on:    ``with collector.collecting()``: every module's activations and activation gradients, every
-         weight, weight gradient and update counted exactly on the device, plus update underflow.
+         weight, weight gradient and update counted exactly on the device, plus update underflow;
+- eager: the same with ``RangeCollector(fused=False)``: no torch.compile, the eager table route (what
+         a machine without a working compiler gets), side by side with "on".
 
-Prints medians and the ratios off/plain and on/plain.
+Prints medians and the ratios off/plain, on/plain and eager/plain.
 Usage: python benchmarks/bench_doctor.py [--workloads mlp,gpt] [--recipes fp32,fp16] [--reps 30]
        [--device cpu|cuda] [--threads N]
 """
