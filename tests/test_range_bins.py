@@ -41,6 +41,12 @@ def _all_16bit(dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
 
 
+@pytest.fixture(autouse=True)
+def _fuse_every_piece(monkeypatch):
+    """The fused route for pieces of any size here, so that these small inputs test the compiled kernel."""
+    monkeypatch.setattr(range_bins, "_FUSED_MIN_CPU", 0)
+
+
 def _stats(x, scale=None, fused=True, pieces=1):
     h = RangeHistogram("cpu", fused=fused)
     for part in x.tensor_split(pieces):

@@ -53,6 +53,10 @@ _INF_BITS = 0x7F800000          # +inf; every pattern above it is a NaN
 _CHUNK_SHIFT = 12               # the eager table is indexed by |x|'s bits >> 12: 2**19 entries
 _LOW_MASK = (1 << _CHUNK_SHIFT) - 1
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # others go to fp32 first (exact for fp8)
+# On a CPU a compiled call costs ~60 us before its first value (guards, wrappers), the eager route
+# ~35 us, and per value ~1.4 ns against ~2.6 ns: they break even near 2**14-2**15 values (measured,
+# benchmarks/RESULTS.md). Smaller pieces take the eager route there; on CUDA the fused route always.
+_FUSED_MIN_CPU = 1 << 15
 
 
 def _first_bits(pred) -> int:
@@ -184,10 +188,12 @@ def count_piece(x: torch.Tensor, scale: torch.Tensor | None, runs: tuple[int, ..
     """Bin counts and largest finite ``|x * scale|`` of the consecutive runs of the 1-D ``x``. No sync.
 
     Returns int64 counts, :data:`N_BINS` per run one after another, and fp32 amaxes, one per run. Both
-    routes give the same numbers; ``fused=False``, or a fused route that failed to compile, is eager.
+    routes give the same numbers; ``fused=False``, a fused route that failed to compile, and pieces
+    under 2**15 values on a CPU (where the compiled call costs more than it saves) are eager.
     """
     one, many = fused_binning()
-    if fused and one.broken is None and many.broken is None and x.device.type in ("cpu", "cuda"):
+    worth_it = x.device.type == "cuda" or (x.device.type == "cpu" and x.numel() >= _FUSED_MIN_CPU)
+    if fused and worth_it and one.broken is None and many.broken is None:
         if x.dtype not in _FUSED_DTYPES:
             x = x.float()                        # exact for fp8; float64 rounds, as the eager route does
         s = _one(x.device) if scale is None else scale.float()    # x * 1 is x, subnormals included

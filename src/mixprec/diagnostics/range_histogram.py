@@ -178,10 +178,11 @@ class RangeHistogram:
             if keep is not None:
                 finite_max = torch.where(keep, finite_max, 0.0)
             torch.maximum(amax[first:last + 1], finite_max, out=amax[first:last + 1])
-        if len(hists) > 1:
-            for i, h in enumerate(hists):
-                h._bins += bins[i * N_BINS:(i + 1) * N_BINS]
-                torch.maximum(h._amax, amax[i], out=h._amax)
+        if len(hists) > 1:     # two foreach calls, not two ops per histogram (one may appear twice)
+            rows = bins.view(len(hists), N_BINS).unbind()
+            for part in _distinct_parts(hists):
+                torch._foreach_add_([hists[i]._bins for i in part], [rows[i] for i in part])
+                torch._foreach_maximum_([hists[i]._amax for i in part], [amax[i] for i in part])
 
     def result(self) -> TensorStats:
         """Everything counted so far as plain numbers. One host sync."""
@@ -206,3 +207,19 @@ class RangeHistogram:
         pairs = tuple((field - 127, n) for field, n in enumerate(exponents[:255]) if n)
         return TensorStats(count=total, zeros=zeros, nonfinite=nonfinite, amax=amax, exponents=pairs,
                            formats=formats)
+
+
+def _distinct_parts(hists: Sequence[RangeHistogram]) -> list[list[int]]:
+    """Indices of ``hists`` in groups where no histogram appears twice (a foreach op writes each once)."""
+    parts: list[list[int]] = []
+    seen: list[set[int]] = []
+    for i, h in enumerate(hists):
+        for part, ids in zip(parts, seen):
+            if id(h) not in ids:
+                part.append(i)
+                ids.add(id(h))
+                break
+        else:
+            parts.append([i])
+            seen.append({id(h)})
+    return parts
