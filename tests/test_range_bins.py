@@ -74,6 +74,13 @@ def test_table_and_compares_give_the_same_bin_for_every_chunk():
     assert int(compared.max()) == N_BINS - 1                     # NaN: field 255, above all 14 ends
 
 
+def test_the_cuda_histogram_counts_what_bincount_counts():
+    # The index_add_ form CUDA uses (int32 indices, a broadcast 1), run here on the CPU.
+    index = torch.tensor([0, 5, 5, 269, 3, 5, 0], dtype=torch.int32)
+    assert torch.equal(range_bins._index_add_count(index, N_BINS), torch.bincount(index, minlength=N_BINS))
+    assert range_bins._index_add_count(index, N_BINS)[5] == 3
+
+
 def test_fp16_ends_worked_out_by_hand_are_bins_apart():
     # 2**-25 ties to fp16's zero, one ulp above rounds to its smallest subnormal: different bins.
     flush_end = format_thresholds(RANGE_FORMATS[0])[0]
@@ -170,6 +177,17 @@ def test_batched_small_tensors_count_as_separate_adds():
     assert batch.pending == 0
     assert [h.result() for h in hists] == [h.result() for h in alone]
     assert [h.tensors for h in hists] == [h.tensors for h in alone] == [2, 2, 1]
+
+
+def test_batch_buffer_lives_where_the_tensors_are():
+    # SmallTensorBatch("cuda") gets tensors on "cuda:0", which do not compare equal to "cuda": the
+    # buffer is made on the first tensor's device. Here: a tensor on another device type goes around it.
+    h, batch = RangeHistogram("cpu"), SmallTensorBatch("meta")
+    batch.add(h, torch.tensor([1.0, 2.0]))              # cpu tensor, "meta" batch: counted at once
+    assert batch.pending == 0 and h.result().count == 2
+    cpu = SmallTensorBatch(torch.device("cpu"))
+    cpu.add(h, torch.tensor([4.0]))
+    assert cpu.pending == 1 and cpu._buffer.device == torch.device("cpu")
 
 
 def test_batch_counts_values_as_they_were_when_added():

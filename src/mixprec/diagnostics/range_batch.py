@@ -59,13 +59,14 @@ class SmallTensorBatch:
         rounds), and the scale multiplies in fp32 after it, the one rounding ``add`` makes.
         """
         n = x.numel()
-        if n > self.max_values or x.device != self.device:
+        if self._buffer is None and x.device.type == self.device.type:
+            # Made on x's device: "cuda" and "cuda:0" name one device but do not compare equal.
+            self._buffer = torch.empty(_CAPACITY, dtype=torch.float32, device=x.device)
+        if n > self.max_values or self._buffer is None or x.device != self._buffer.device:
             hist.add(x, scale)
             return
         if self._used + n > _CAPACITY:
             self.flush()
-        if self._buffer is None:
-            self._buffer = torch.empty(_CAPACITY, dtype=torch.float32, device=self.device)
         dst = self._buffer[self._used:self._used + n]
         dst.copy_(x.detach().reshape(-1))
         if scale is not None:

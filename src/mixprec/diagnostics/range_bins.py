@@ -239,12 +239,21 @@ def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
     """How often each of 0 .. n-1 occurs in ``index`` (int64). No sync on CUDA, where bincount would."""
     if index.device.type == "cpu":
         return torch.bincount(index, minlength=n)
-    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(
-        0, index.long(), torch.ones_like(index, dtype=torch.int64))
+    return _index_add_count(index, n)
+
+
+def _index_add_count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`_bincount` as one ``index_add_`` of a broadcast 1 (int32 indices as they are: no int64
+    copy of the index and no tensor of ones, 12 bytes per value less memory traffic). No sync."""
+    one = _ONES_I64.get(index.device)
+    if one is None:
+        one = _ONES_I64[index.device] = torch.ones((), dtype=torch.int64, device=index.device)
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, one.expand(index.numel()))
 
 
 _OFFSETS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 _ONES: dict[torch.device, torch.Tensor] = {}
+_ONES_I64: dict[torch.device, torch.Tensor] = {}
 _LUTS: dict[torch.device, torch.Tensor] = {}
 _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
