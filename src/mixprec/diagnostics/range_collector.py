@@ -79,7 +79,7 @@ def _lost_fp16_bf16(w32: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, .
     return tuple(_lost(w32, *bits, f) for f in UPDATE_FORMATS)
 
 
-# One compiled kernel for both formats' masks on a GPU (about forty eager kernels otherwise).
+# One compiled kernel for both formats' masks (about forty eager kernels otherwise).
 _fused_lost = FusedFunction(_lost_fp16_bf16, "lost-update count")
 
 
