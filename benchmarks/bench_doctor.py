@@ -1,15 +1,17 @@
 """The cost of the doctor's range collection: a plain engine step against one with collection off and on.
 
-Three variants of the same training step (forward, backward, ``mp.step()``, ``zero_grad``) on a built-in
+Four variants of the same training step (forward, backward, ``mp.step()``, ``zero_grad``) on a built-in
 workload's model, batch and optimizer, interleaved (plain, off, on, then off, on, plain, ...: the order
 rotates) so drift in clock speed or load hits all alike:
 
 - plain: no collector at all;
 - off:   ``with collector.collecting(enabled=False)``: must install nothing and cost nothing;
 - on:    ``with collector.collecting()``: every module's activations and activation gradients, every
-         weight, weight gradient and update counted exactly on the device, plus update underflow.
+         weight, weight gradient and update counted exactly on the device, plus update underflow;
+- eager: the same with ``RangeCollector(fused=False)``: no torch.compile, the eager table route (what
+         a machine without a working compiler gets), side by side with "on".
 
-Prints medians and the ratios off/plain and on/plain.
+Prints medians and the ratios off/plain, on/plain and eager/plain.
 Usage: python benchmarks/bench_doctor.py [--workloads mlp,gpt] [--recipes fp32,fp16] [--reps 30]
        [--device cpu|cuda] [--threads N]
 """
@@ -41,6 +43,7 @@ def setup(workload_name: str, recipe: str, device: torch.device):
     idx = torch.arange(w.batch_size) % len(data.y_train)
     x, y = data.x_train[idx].to(device), data.y_train[idx].to(device)
     collector = RangeCollector(mp)
+    eager = RangeCollector(mp, fused=False)
 
     def step(context):
         with context:
@@ -59,7 +62,8 @@ def setup(workload_name: str, recipe: str, device: torch.device):
 
     return {"plain": lambda: step(_Null()),
             "off": lambda: step(collector.collecting(enabled=False)),
-            "on": lambda: step(collector.collecting())}, collector
+            "on": lambda: step(collector.collecting()),
+            "eager": lambda: step(eager.collecting())}, collector
 
 
 def interleave(fns: dict, reps: int, device: torch.device) -> dict[str, float]:
@@ -93,15 +97,15 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.reps} interleaved reps, medians")
-    print(f"{'workload':<9} {'recipe':<6} {'plain ms':>9} {'off ms':>8} {'on ms':>8} {'off/plain':>9} "
-          f"{'on/plain':>8}")
+    print(f"{'workload':<9} {'recipe':<6} {'plain ms':>9} {'off ms':>8} {'on ms':>8} {'eager ms':>8} "
+          f"{'off/plain':>9} {'on/plain':>8} {'eager/plain':>11}")
     for workload in args.workloads.split(","):
         for recipe in args.recipes.split(","):
             fns, collector = setup(workload, recipe, device)
             t = interleave(fns, args.reps, device)
             print(f"{workload:<9} {recipe:<6} {1e3 * t['plain']:>9.2f} {1e3 * t['off']:>8.2f} "
-                  f"{1e3 * t['on']:>8.2f} {t['off'] / t['plain']:>8.2f}x {t['on'] / t['plain']:>7.2f}x",
-                  flush=True)
+                  f"{1e3 * t['on']:>8.2f} {1e3 * t['eager']:>8.2f} {t['off'] / t['plain']:>8.2f}x "
+                  f"{t['on'] / t['plain']:>7.2f}x {t['eager'] / t['plain']:>10.2f}x", flush=True)
             assert collector.result().steps == args.reps + 3   # "on" really collected every time
 
 

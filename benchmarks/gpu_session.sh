@@ -7,6 +7,8 @@
 #                                     # bench_step (compiled step), bench_e2e bf16 eager/compiled
 #   benchmarks/gpu_session.sh e2e-fp8      # issue 11: bench_e2e fp8 vs torch.amp bf16 vs torchao
 #   benchmarks/gpu_session.sh e2e-recipes  # issue 11: bench_e2e for every other recipe
+#   benchmarks/gpu_session.sh doctor  # issue 12 (~3 min): the doctor's Triton counting kernels against the
+#                                     # CPU, sync-freedom, and its cost (on/eager/plain) on cuda
 # Output goes to $OUT (the device tool's folder) or ./gpu-out; paste it into benchmarks/RESULTS.md with
 # the device and the date. Runs from the source tree (PYTHONPATH=src) with the python that holds a CUDA
 # torch (default: python3, as on the lent GPU machines, which have torch, rich, matplotlib, scikit-learn,
@@ -47,6 +49,9 @@ case "${1:-}" in
     run inspect-resnet50 $MIXPREC inspect --benchmark resnet50 --device cuda --recipes fp32,fp16,bf16 \
         --json "$OUT/inspect-resnet50.json"
     run bench-convnet-layout "$PY" benchmarks/bench_convnet_layout.py --device cuda --batch 128 ;;
+  doctor)   # issue 12: goal on/plain <= 1.5x for gpt; the eager column is the route without torch.compile
+    run doctor-tests "$PY" -m pytest -q -rs tests/gpu/test_doctor_cuda.py
+    run bench-doctor "$PY" benchmarks/bench_doctor.py --device cuda ;;
   e2e)   # issue 11 (~10 min): each bench_e2e run holds its own baseline, so its ratios are side by side
     run compile-tests "$PY" -m pytest -q -rs tests/gpu/test_compile_cuda.py
     run bench-fp8-fused "$PY" benchmarks/bench_fp8.py --device cuda --sizes 4096,8192

@@ -74,3 +74,43 @@ def test_collecting_a_step_does_not_sync(recipe, no_sync):
             mp.zero_grad()
     r = collector.result()
     assert r.steps == 3 and r.module("0").stats["weights"].count == 3 * (64 * 128 + 128)
+
+
+def _edges_and_16bit():
+    """fp32 values at every bucket end and binade start (+-1 ulp, both signs), and every fp16 and bf16
+    pattern: the values where a CUDA kernel that rounded, flushed subnormals or mis-compared would show."""
+    from mixprec.diagnostics.range_bins import boundaries
+    pats = {p + d for p in (*boundaries()[0], *(k << 23 for k in range(1, 256))) for d in (-1, 0, 1)}
+    mags = torch.tensor(sorted(p for p in pats | {0, 1, 2} if 0 <= p <= 0x7FC00000), dtype=torch.int32)
+    f32 = torch.cat([mags.view(torch.float32), -mags.view(torch.float32)])
+    all16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    return f32, all16.view(torch.float16), all16.view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-triton", "eager"])
+def test_both_routes_on_cuda_count_every_edge_as_the_cpu_does_without_a_sync(fused, no_sync):
+    from mixprec.diagnostics.range_bins import fused_binning
+    scale = torch.ones((), device="cuda") * 2.0**-24         # a fill and a multiply: no host copy
+    for x in _edges_and_16bit():
+        for s in (None, scale):
+            cpu, gpu = RangeHistogram("cpu", fused=False), RangeHistogram("cuda", fused=fused)
+            cpu.add(x, None if s is None else torch.tensor(2.0**-24))
+            x_cuda = x.cuda()
+            RangeHistogram("cuda", fused=fused).add(x_cuda, s)      # warm-up: compiles, lazy setup
+            with no_sync():
+                gpu.add(x_cuda, s)
+            assert gpu.result() == cpu.result(), (x.dtype, s is not None)
+    if fused:     # the Triton kernels really ran (a broken compile would fall back and still pass)
+        assert all(f.broken is None and f._compiled is not None for f in fused_binning()[:1])
+
+
+def test_fused_lost_update_masks_on_cuda_equal_the_cpu():
+    from mixprec.diagnostics import range_collector
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-30, 17, (200_000,), generator=g).float())
+    u = w * torch.exp2(-torch.randint(5, 14, (200_000,), generator=g).float())
+    u = torch.where(torch.arange(200_000) % 3 == 0, torch.nextafter(u, torch.zeros(())), u)   # ties +- 1 ulp
+    cuda = range_collector._lost_masks(w.cuda(), u.cuda())
+    for fmt, mask in zip(range_collector.UPDATE_FORMATS, cuda):
+        assert torch.equal(mask.cpu(), update_lost(w, u, fmt)), fmt.name
+    assert range_collector._fused_lost.broken is None
