@@ -6,10 +6,10 @@ rotates) so drift in clock speed or load hits all alike:
 
 - plain: no collector at all;
 - off:   ``with collector.collecting(enabled=False)``: must install nothing and cost nothing;
-- on:    ``with collector.collecting()``: every module's activations and activation gradients, every
+- on:    ``with collector.collecting()`` with ``fused=True`` (compiled counting): every module's activations and activation gradients, every
          weight, weight gradient and update counted exactly on the device, plus update underflow;
-- eager: the same with ``RangeCollector(fused=False)``: no torch.compile, the eager table route (what
-         a machine without a working compiler gets), side by side with "on".
+- eager: the same with ``RangeCollector(fused=False)``: no torch.compile, the eager table route (the
+         CPU's default, and what a machine without a working compiler gets), side by side with "on".
 
 Prints medians and the ratios off/plain, on/plain and eager/plain.
 Usage: python benchmarks/bench_doctor.py [--workloads mlp,gpt] [--recipes fp32,fp16] [--reps 30]
@@ -42,7 +42,7 @@ def setup(workload_name: str, recipe: str, device: torch.device):
     mp = mixprec.MixedPrecision(model, w.make_optimizer(model.parameters()), recipe)
     idx = torch.arange(w.batch_size) % len(data.y_train)
     x, y = data.x_train[idx].to(device), data.y_train[idx].to(device)
-    collector = RangeCollector(mp)
+    collector = RangeCollector(mp, fused=True)
     eager = RangeCollector(mp, fused=False)
 
     def step(context):
