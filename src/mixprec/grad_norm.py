@@ -1,0 +1,118 @@
+"""The step's global gradient norm in fp32: one read of every gradient, 16-bit ones without fp32 copies.
+
+``step()`` must know the norm of the gradients (is any of them inf or NaN? by how much to clip?) before
+the optimizer moves a single weight. Under a pure recipe the optimizer steps fp32 copies chunk by chunk
+(``master.py``), so the fp32 casts of the gradients exist one chunk at a time: the norm must read the
+16-bit gradients themselves.
+
+- CUDA: one ``_foreach_norm`` launch per dtype reads 16-bit and fp32 gradients and accumulates in fp32.
+- CPU: ATen's norm kernels on 16-bit input were measured 10x slower than BLAS (``_foreach_norm``: 41 ms
+  on 16M fp16 values, a cast and a dot: 4 ms), and casting a whole gradient into fresh fp32 memory pays
+  the page faults of that memory at every step. So each block of at most ``block`` (2**20) elements is
+  cast into one small fp32 scratch kept here (4 MiB at most, it stays in cache) and dotted there: a
+  16-bit gradient is read once and no fp32 copy of it is made. An fp32 gradient is dotted where it lies.
+
+Bits. MKL's ``sdot`` rounds differently at different address alignments (measured: the same 3M values
+copied to two offsets give sums one ulp apart), so the CPU sum is defined blockwise over 64-byte aligned
+fp32 buffers: an fp32 gradient that is contiguous and 64-byte aligned is dotted in place, block by block,
+and anything else (16-bit, misaligned, strided) through the scratch, whose start is aligned. The norm is
+then a function of the gradients' values alone, whether a chunk cast them to fp32 already or not, so a
+chunked step clips exactly as a one-call step. The squares of the blocks are summed in fp32 in the
+order of ``grads``; a sum of squares overflows fp32 only for a norm above 1.8e19, treated as an overflow.
+
+    >>> g = torch.full((3,), 2.0, dtype=torch.float16)
+    >>> GradNorm()([g]).item()      # sqrt(3 * 2**2)
+    3.464...
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .grad_sync import GradSync, SyncKind, local_shard
+
+__all__ = ["GradNorm", "global_norm_f32"]
+
+# Elements per CPU block: 4 MiB of fp32 scratch. Measured on 16M fp16 values (1 thread): blocks of
+# 2**16 cost 8.0 ms (Python per block), 2**18 4.5 ms, 2**20 4.0 ms; a whole-tensor cast and dot 7.2 ms.
+_BLOCK = 2**20
+_ALIGN = 64          # bytes: the CPU allocator's alignment, and a cache line
+
+
+def global_norm_f32(grads: list[torch.Tensor], sync: GradSync | None = None) -> torch.Tensor:
+    """Global L2 norm in fp32, one read of every gradient; inf or NaN iff some gradient is.
+
+    The norm of the gradients the optimizer itself holds (fp32, or 16-bit where the model is). On CUDA
+    one multi-tensor ``_foreach_norm`` launch reads everything. On CPU a BLAS dot per tensor reads at
+    memory speed, where ``_foreach_norm`` was measured 1.7x slower (benchmarks/RESULTS.md). Across ranks
+    (``sync``) each rank sums the squares of the part it holds (a DTensor's local shard) and one
+    all_reduce combines them (mixprec.distributed), so every rank gets the same norm.
+    """
+    if sync is None or sync.kind is SyncKind.LOCAL:   # one process: exactly the norm it always was
+        if grads[0].device.type != "cpu":
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        flat = [g.reshape(-1).float() for g in grads]
+        return torch.stack([torch.dot(g, g) for g in flat]).sum().sqrt()
+    if sync.fsdp:
+        grads = [local_shard(g) for g in grads]       # DTensor -> this rank's shard
+    if grads[0].device.type != "cpu":
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    else:
+        sq = torch.stack([torch.dot(g.reshape(-1).float(), g.reshape(-1).float()) for g in grads]).sum()
+    return sync.reduce_sum_squares(sq).sqrt()
+
+
+class GradNorm:
+    """The norm of a pure recipe's gradients (16-bit and fp32 mixed), read without fp32 copies.
+
+    Keeps the CPU scratch between calls (``scratch_bytes``; at most ``4 * block`` bytes). Called with
+    ``sync`` the squares are summed across ranks first (``GradSync.reduce_sum_squares``). No host sync.
+    """
+
+    def __init__(self, block: int = _BLOCK) -> None:
+        if not (isinstance(block, int) and block > 0 and block % (_ALIGN // 4) == 0):
+            raise ValueError(f"block must be a positive multiple of {_ALIGN // 4} elements (so every "
+                             f"block starts {_ALIGN}-byte aligned), e.g. {_BLOCK}; got {block!r}")
+        self.block = block
+        self._scratch: torch.Tensor | None = None
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of fp32 scratch kept between steps (CPU only; 0 until a 16-bit gradient was read)."""
+        return 0 if self._scratch is None else self._scratch.untyped_storage().nbytes()
+
+    def __call__(self, grads: list[torch.Tensor], sync: GradSync | None = None) -> torch.Tensor:
+        """The global L2 norm of ``grads`` in fp32 (a () tensor); inf or NaN iff some gradient is."""
+        if not grads:
+            raise ValueError("GradNorm needs at least one gradient")
+        if grads[0].device.type != "cpu" or torch.compiler.is_compiling():
+            # One launch reads every dtype (CUDA); a compiled graph fuses the casts into its reduction.
+            return global_norm_f32(grads, sync)
+        squares = [sq for g in grads for sq in self._block_squares(g)]
+        sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32)
+        if sync is not None and sync.kind is not SyncKind.LOCAL:
+            sq = sync.reduce_sum_squares(sq)
+        return sq.sqrt()
+
+    def _block_squares(self, g: torch.Tensor) -> list[torch.Tensor]:
+        flat = g.reshape(-1)      # a view of a contiguous gradient; a strided one is copied (aligned)
+        n = flat.numel()
+        in_place = flat.dtype == torch.float32 and flat.data_ptr() % _ALIGN == 0
+        scratch = None if in_place else self._scratch_for(n, flat.device)
+        out = []
+        for start in range(0, n, self.block):
+            k = min(self.block, n - start)
+            if in_place:
+                block = flat[start:start + k]      # 4 * block bytes apart: each block stays aligned
+            else:
+                block = scratch[:k]
+                block.copy_(flat[start:start + k])   # 16-bit -> fp32 is exact: the same values
+            out.append(torch.dot(block, block))
+        return out
+
+    def _scratch_for(self, n: int, device: torch.device) -> torch.Tensor:
+        need = min(n, self.block)
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32, device=device)
+            assert self._scratch.data_ptr() % _ALIGN == 0, "the CPU allocator aligns to 64 bytes"
+        return self._scratch
