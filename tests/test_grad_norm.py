@@ -1,5 +1,5 @@
 """The pure step's norm read from 16-bit gradients: hand-worked values, bits that depend on the values
-alone (dtype, alignment, chunking), one cast per gradient per step, and clipping as torch clips."""
+alone (not on alignment or chunking), one cast per gradient per step, and clipping as torch clips."""
 
 import copy
 import math
@@ -51,25 +51,42 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def misaligned_copy(t, offset):
+    out = torch.empty(t.numel() + offset, dtype=t.dtype)[offset:]
+    out.copy_(t)
+    assert out.data_ptr() % 64 != 0
+    return out
+
+
 @pytest.mark.parametrize("dtype,n,offset", MISALIGNED_DOTS_DIFFER)
 def test_the_bits_depend_on_the_values_alone(dtype, n, offset, one_thread):
-    # The same values as 16-bit (through the aligned scratch), as an aligned fp32 tensor (dotted in
-    # place) and as a misaligned fp32 view (through the scratch again) give the same bits, block by
-    # block and in the norm.
+    # A tensor's sum of squares is a function of its values (and dtype and size), not of its address:
+    # an fp32 gradient aligned (dotted in place) or misaligned (through the aligned scratch), and a
+    # 16-bit gradient aligned or not, compiled or through the scratch, give the same bits each.
     g16 = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3).to(dtype)
     g32 = g16.float()
-    misaligned = torch.empty(n + offset)[offset:]
-    misaligned.copy_(g32)
-    assert misaligned.data_ptr() % 64 != 0 and g32.data_ptr() % 64 == 0
-    norm = GradNorm()
-    blocks = [norm._block_squares(g) for g in (g16, g32, misaligned)]
-    assert all(torch.equal(x, y) for other in blocks[1:] for x, y in zip(blocks[0], other))
-    a, b, c = norm([g16]), norm([g32]), norm([misaligned])
-    assert torch.equal(a, b) and torch.equal(a, c)
-    # ... and it is the norm: within fp32 rounding of the fp64 value (a dot of n products rounds n
+    assert g32.data_ptr() % 64 == 0
+    norm, scratch_only = GradNorm(), GradNorm(compiled=False)
+    f32 = [norm._block_squares(g) for g in (g32, misaligned_copy(g32, offset))]
+    assert all(torch.equal(x, y) for x, y in zip(*f32))
+    # Through the scratch a 16-bit gradient is the fp32 one, block for block.
+    s16 = [scratch_only._block_squares(g) for g in (g16, misaligned_copy(g16, offset))]
+    assert all(torch.equal(x, y) for pair in ((s16[0], s16[1]), (s16[0], f32[0])) for x, y in zip(*pair))
+    c16 = [norm._block_squares(g) for g in (g16, misaligned_copy(g16, offset))]
+    assert all(torch.equal(x, y) for x, y in zip(*c16))
+    # ... and each is the norm: within fp32 rounding of the fp64 value (a dot of n products rounds n
     # times, at most n * 2**-24 relative in the worst case; measured ~1e-5 for n = 2**20).
     exact = g32.double().square().sum().sqrt().item()
-    assert a.item() == pytest.approx(exact, rel=1e-4)
+    for g, how in ((g32, norm), (g16, norm), (g16, scratch_only)):
+        assert how([g]).item() == pytest.approx(exact, rel=1e-4)
+
+
+def test_large_16bit_gradients_go_through_the_compiled_loop():
+    g = torch.full((2**16,), 3.0, dtype=torch.bfloat16)
+    norm = GradNorm()
+    assert norm([g]).item() == 768.0                  # sqrt(65536 * 9) = 256 * 3, exactly
+    assert norm.scratch_bytes == 0                    # no fp32 block was made for it
+    assert GradNorm(compiled=False)([g]).item() == 768.0
 
 
 def test_gradients_longer_than_a_block_are_summed_blockwise():
@@ -141,8 +158,8 @@ def test_chunked_is_one_call_bitwise_across_blocks_and_the_kept_workspace(recipe
 
 @pytest.mark.parametrize("chunk_bytes", [None, 100])
 def test_each_gradient_is_cast_once_per_step(chunk_bytes):
-    # One cast per gradient: on CPU the first chunk is cast before the norm reads it, and the step does
-    # not cast it again; the other chunks are cast by the step, one chunk at a time.
+    # One cast per gradient: the norm reads the 16-bit gradients themselves, and the step casts each
+    # chunk once, one chunk at a time.
     mp, _ = train("bf16-pure", "adamw-fused", chunk_bytes=chunk_bytes, steps=1)
     calls = []
     real = mp.master.pull_grads
@@ -195,3 +212,15 @@ def test_clipping_matches_torch_clip_grad_norm_on_fp32_copies(recipe, chunk_byte
         step = twin.grad
         tol = 2**-23 * b.abs().max().item() + 2e-5 * step.abs().max().item()
         torch.testing.assert_close(t.detach(), b - step, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure"])
+def test_chunked_is_one_call_bitwise_through_the_compiled_loop(recipe):
+    # hidden 8192: w0 (8192 x 8 = 2**16 elements) goes through the compiled 16-bit loop, the rest
+    # through the scratch; 64 KiB chunks cut the step into five.
+    one, _ = train(recipe, "adamw-fused", hidden=8192, clip=0.5, plant_at=1, steps=3)
+    many, skipped = train(recipe, "adamw-fused", hidden=8192, chunk_bytes=64 * 1024, clip=0.5, plant_at=1,
+                          steps=3)
+    assert skipped == [False, True, False]
+    assert len(many.master._plan(many.optimizer)) > 1
+    assert_bitwise(snapshot(one), snapshot(many))

@@ -25,14 +25,11 @@ MiB) of fp32 gradients, are cast into one flat fp32 workspace that is kept betwe
 chunk: at most ``chunk_bytes``, or one larger tensor; ``workspace_bytes``): allocating each chunk's
 casts afresh was measured 2-3x slower there (benchmarks/RESULTS.md, page faults on fresh memory; with
 4 MiB chunks of 16 MiB tensors 7 ms of a 24 ms step). A model in one small chunk keeps nothing.
-Each gradient starts 64-byte aligned in it, as a fresh tensor would (``grad_norm``: MKL's dot rounds
-by alignment). CUDA's caching allocator reuses the freed block by itself, so on CUDA nothing is kept.
+CUDA's caching allocator reuses the freed block by itself, so on CUDA nothing is kept.
 
-The engine reads the global norm before the first chunk steps (``grad_norm.GradNorm``: the 16-bit
-gradients, no fp32 copies). On CPU ``begin_step`` casts the first chunk before that read, so the norm
-reads those casts and the first chunk is not cast twice: a model in one chunk is cast once, as before
-chunks existed. On CUDA nothing is cast early: the norm reads 16-bit gradients natively there, and
-reading the same tensors in every chunking keeps a chunked step's norm bitwise the one-call step's.
+The engine reads the global norm before the first chunk steps, from the model's 16-bit gradients
+(``grad_norm.GradNorm``: no fp32 copies), whatever the chunking: the same tensors read the same way, so
+a chunked step's norm, and with it the clip and the skip, is bitwise the one-call step's.
 
     >>> w = torch.full((100_000,), 1.0)
     >>> stochastic_round_bf16(w + 2**-10, torch.Generator().manual_seed(0)).float().mean().item()
@@ -55,7 +52,6 @@ __all__ = ["MasterWeights", "stochastic_round_bf16", "DEFAULT_CHUNK_BYTES"]
 # large enough that a step makes few calls (a 7B model: ~420, each a multi-tensor kernel on CUDA).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 _WORKSPACE_MIN = 32 * 2**20      # CPU: fp32 gradient chunks this large go into a kept workspace
-_ALIGN_ELEMENTS = 16             # 64 bytes of fp32: where each gradient starts in the workspace
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -93,7 +89,7 @@ class MasterWeights:
         self.chunk_bytes = chunk_bytes
         self._workspace: torch.Tensor | None = None     # CPU only, see the module docstring
         self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
-        self._pulled: set[int] = set()                   # the copies begin_step cast (its first chunk)
+        self._planned = False                            # begin_step planned this step
         # Clone before the model is cast: the master starts as the exact fp32 initial weights.
         self.masters = [nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
                         for p in self.model_params]
@@ -112,33 +108,26 @@ class MasterWeights:
             self._release()
 
     def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Plan the step's chunks; on CPU cast the first chunk's gradients into fp32 now, so the norm
-        reads those casts and ``step`` does not cast them again (a CPU's fp16->fp32 cast costs more
-        than the norm itself). On CUDA nothing is cast here (see the module docstring). No sync."""
+        """Plan the step's chunks (``step`` uses the plan). Casts nothing; no sync."""
         self._step_plan = self._plan(optimizer)
-        self._pulled = set()
-        if self.masters and self.masters[0].device.type == "cpu":
-            first = (list(range(len(self.masters))) if self._step_plan is None
-                     else self._positions(self._step_plan[0]))
-            self.pull_grads(first, chunked=self._step_plan is not None)
-            self._pulled = set(first)
+        self._planned = True
 
     def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The gradients for every tensor ``optimizer`` steps, in its order: the fp32 cast for a copy
-        ``begin_step`` cast, the model's 16-bit gradient for any other copy, the tensor's own gradient
-        otherwise. The same values either way (the cast is exact). No copy, no sync."""
+        """The gradients for every tensor ``optimizer`` steps, in its order: the model's 16-bit gradient
+        for an fp32 copy (whose own is cast chunk by chunk inside ``step``), the tensor's own gradient
+        otherwise. No copy, no sync."""
         out = []
         for group in optimizer.param_groups:
             for t in group["params"]:
                 i = self._index.get(id(t))
-                g = t.grad if i is None or i in self._pulled else self.model_params[i].grad
+                g = t.grad if i is None else self.model_params[i].grad
                 if g is not None:
                     out.append(g)
         return out
 
     def skip_step(self) -> None:
-        """A skipped step: free what ``begin_step`` cast; the weights stay as they are."""
-        self._pulled = set()
+        """A skipped step: drop the plan and any fp32 gradient; the weights stay as they are."""
+        self._planned = False
         for m in self.masters:
             m.grad = None
         if not self.keep:
@@ -165,7 +154,7 @@ class MasterWeights:
             if workspace is not None and p.grad is not None:
                 m.grad = workspace[offset:offset + p.numel()].view(p.shape)
                 m.grad.copy_(p.grad)
-                offset += _aligned(p.numel())
+                offset += p.numel()
             elif p.grad is None:
                 m.grad = None
             elif m.grad is None or m.grad.shape != p.grad.shape:
@@ -181,8 +170,7 @@ class MasterWeights:
     def _workspace_for(self, which, chunked: bool) -> torch.Tensor | None:
         if not self.keep or not self.masters or self.masters[0].device.type != "cpu":
             return None
-        need = sum(_aligned(self.model_params[i].numel()) for i in which
-                   if self.model_params[i].grad is not None
+        need = sum(self.model_params[i].numel() for i in which if self.model_params[i].grad is not None
                    and self.model_params[i].grad.layout == torch.strided)
         if 4 * need < _WORKSPACE_MIN and not chunked:
             return None
@@ -200,11 +188,11 @@ class MasterWeights:
         ``optimizer.step``, or the engine's own AdamW). Its step pre/post hooks run once per chunk.
         Multiplying after the exact cast is what the unchunked step did: the same bits. No sync.
         """
-        plan = self._step_plan if self._pulled else self._plan(optimizer)
-        pulled, self._pulled = self._pulled, set()
+        plan = self._step_plan if self._planned else self._plan(optimizer)
+        self._planned = False
         if plan is None:            # everything fits one chunk: the optimizer's groups stay as built
             everything = list(range(len(self.masters)))
-            self._step_chunk(optimizer, everything, step_fn, inv_divisor, pulled, chunked=False)
+            self._step_chunk(optimizer, everything, step_fn, inv_divisor, chunked=False)
             return
         groups = optimizer.param_groups
         saved = [g["params"] for g in groups]
@@ -212,8 +200,7 @@ class MasterWeights:
             for chunk in plan:
                 for group, members in zip(groups, chunk):
                     group["params"] = members
-                self._step_chunk(optimizer, self._positions(chunk), step_fn, inv_divisor, pulled,
-                                 chunked=True)
+                self._step_chunk(optimizer, self._positions(chunk), step_fn, inv_divisor, chunked=True)
         finally:
             for group, members in zip(groups, saved):
                 group["params"] = members
@@ -222,10 +209,8 @@ class MasterWeights:
         """The positions of a chunk's fp32 copies (its fp32 tensors of the model's own have none)."""
         return [self._index[id(t)] for members in chunk for t in members if id(t) in self._index]
 
-    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor, pulled: set[int],
-                    chunked: bool) -> None:
-        if not pulled.issuperset(which):     # begin_step cast the first chunk; the others are cast here
-            self.pull_grads(which, chunked=chunked)
+    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor, chunked: bool) -> None:
+        self.pull_grads(which, chunked=chunked)
         if inv_divisor is not None:
             # fp32 copies and fp32 model gradients alike: the optimizer sees grad * clip / S.
             grads = [t.grad for g in optimizer.param_groups for t in g["params"] if t.grad is not None]
@@ -276,7 +261,7 @@ class MasterWeights:
             self._release(which)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._pulled = set()
+        self._planned = False
         for m in self.masters:
             if set_to_none:
                 m.grad = None
@@ -310,7 +295,3 @@ class MasterWeights:
         if self.generator is not None and state.get("generator") is not None:
             self.generator.set_state(state["generator"])
 
-
-def _aligned(n: int) -> int:
-    """``n`` elements rounded up to a multiple of 64 bytes of fp32."""
-    return -(-n // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS

@@ -81,8 +81,8 @@ def test_chunked_step_is_the_one_call_step_bitwise_with_a_planted_overflow(recip
                 mp.model[3].weight.grad.view(-1)[9] = math.inf
             skipped[k].append(mp.step().skipped)
             mp.zero_grad()
-        # Every fp32 copy cast once per step (nothing is cast early on CUDA); a generic optimizer's
-        # skipped step casts nothing, a fused one steps (and skips) in its kernels, chunk by chunk.
+        # Every fp32 copy cast once per step (the norm reads the 16-bit gradients); a generic
+        # optimizer's skipped step casts nothing, a fused one steps (and skips) in its kernels.
         assert sorted(casts) == ([] if skipped[1][-1] and opt_name != "adamw-fused"
                                  else list(range(len(engines[1].master.masters))))
     assert skipped[0] == skipped[1] == [False, True, False, False]
