@@ -82,11 +82,11 @@ def test_the_bits_depend_on_the_values_alone(dtype, n, offset, one_thread):
 
 
 def test_large_16bit_gradients_go_through_the_compiled_loop():
-    g = torch.full((2**16,), 3.0, dtype=torch.bfloat16)
+    g = torch.full((2**20,), 3.0, dtype=torch.bfloat16)
     norm = GradNorm()
-    assert norm([g]).item() == 768.0                  # sqrt(65536 * 9) = 256 * 3, exactly
+    assert norm([g]).item() == 3072.0                 # sqrt(2**20 * 9) = 1024 * 3, exactly
     assert norm.scratch_bytes == 0                    # no fp32 block was made for it
-    assert GradNorm(compiled=False)([g]).item() == 768.0
+    assert GradNorm(compiled=False)([g]).item() == 3072.0
 
 
 def test_gradients_longer_than_a_block_are_summed_blockwise():
@@ -216,10 +216,10 @@ def test_clipping_matches_torch_clip_grad_norm_on_fp32_copies(recipe, chunk_byte
 
 @pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure"])
 def test_chunked_is_one_call_bitwise_through_the_compiled_loop(recipe):
-    # hidden 8192: w0 (8192 x 8 = 2**16 elements) goes through the compiled 16-bit loop, the rest
-    # through the scratch; 64 KiB chunks cut the step into five.
-    one, _ = train(recipe, "adamw-fused", hidden=8192, clip=0.5, plant_at=1, steps=3)
-    many, skipped = train(recipe, "adamw-fused", hidden=8192, chunk_bytes=64 * 1024, clip=0.5, plant_at=1,
+    # hidden 2**17: w0 (2**17 x 8 = 2**20 elements) goes through the compiled 16-bit loop, the rest
+    # through the scratch; 1 MiB chunks cut the step into several.
+    one, _ = train(recipe, "adamw-fused", hidden=2**17, clip=0.5, plant_at=1, steps=3)
+    many, skipped = train(recipe, "adamw-fused", hidden=2**17, chunk_bytes=2**20, clip=0.5, plant_at=1,
                           steps=3)
     assert skipped == [False, True, False]
     assert len(many.master._plan(many.optimizer)) > 1

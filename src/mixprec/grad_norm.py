@@ -6,10 +6,11 @@ the optimizer moves a single weight. Under a pure recipe the optimizer steps fp3
 16-bit gradients themselves.
 
 - CUDA: one ``_foreach_norm`` launch per dtype reads 16-bit and fp32 gradients and accumulates in fp32.
-- CPU, a 16-bit gradient of at least ``_COMPILED_MIN`` (2**16) elements: one loop compiled by torch's
-  own compiler (``fusion.FusedFunction``) reads the 16-bit values, squares them in fp32 and sums them,
-  at memory speed and without an fp32 copy (16M bf16 values: 3.3 ms, where a cast and a BLAS dot take
-  4.9 ms). ATen's own norm kernels on 16-bit input were measured 10x slower (``_foreach_norm``: 41 ms).
+- CPU, a 16-bit gradient of at least ``_COMPILED_MIN`` (2**20) elements: one loop compiled by torch's
+  own compiler (``fusion.FusedFunction``, once per process and dtype, ~3 s) reads the 16-bit values,
+  squares them in fp32 and sums them, at memory speed and without an fp32 copy (16M bf16 values: 3.3
+  ms, where a cast and a BLAS dot take 4.9 ms). ATen's own norm kernels on 16-bit input were measured
+  10x slower (``_foreach_norm``: 41 ms).
 - CPU otherwise (small gradients, fp32 ones, or where the compiler is missing): each block of at most
   ``block`` (2**20) elements is cast into one small fp32 scratch kept here (4 MiB at most, it stays in
   cache) and dotted there by BLAS; an fp32 gradient is dotted where it lies. Casting a whole gradient
@@ -42,9 +43,9 @@ __all__ = ["GradNorm", "global_norm_f32"]
 # 2**16 cost 8.0 ms (Python per block), 2**18 4.5 ms, 2**20 4.0 ms; a whole-tensor cast and dot 7.2 ms.
 _BLOCK = 2**20
 _ALIGN = 64          # bytes: the CPU allocator's alignment, and a cache line
-# 16-bit gradients this large go through the compiled loop: below it the call's fixed cost (guards,
-# ~20 us) outweighs the saving, and small models never compile anything.
-_COMPILED_MIN = 2**16
+# 16-bit gradients this large go through the compiled loop: a model with such tensors steps for tens
+# of ms on a CPU, next to which the one compile is small; smaller models never compile anything.
+_COMPILED_MIN = 2**20
 
 
 def _sum_squares_f32(g16: torch.Tensor) -> torch.Tensor:
