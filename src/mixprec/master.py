@@ -24,7 +24,8 @@ On CPU the chunks of a step in several chunks, and a single chunk of at least ``
 MiB) of fp32 gradients, are cast into one flat fp32 workspace that is kept between steps (the largest
 chunk: at most ``chunk_bytes``, or one larger tensor; ``workspace_bytes``): allocating each chunk's
 casts afresh was measured 2-3x slower there (benchmarks/RESULTS.md, page faults on fresh memory; with
-4 MiB chunks of 16 MiB tensors 7 ms of a 24 ms step). A model in one small chunk keeps nothing.
+4 MiB chunks of 16 MiB tensors 7 ms of a 24 ms step). A model in one small chunk keeps nothing (its
+casts share one fresh block per step).
 CUDA's caching allocator reuses the freed block by itself, so on CUDA nothing is kept.
 
 The engine reads the global norm before the first chunk steps, from the model's 16-bit gradients
@@ -173,8 +174,11 @@ class MasterWeights:
         need = sum(self.model_params[i].numel() for i in which if self.model_params[i].grad is not None
                    and self.model_params[i].grad.layout == torch.strided)
         if 4 * need < _WORKSPACE_MIN and not chunked:
-            return None
-        if self._workspace is None or self._workspace.numel() < need:
+            # Kept nothing between steps, but still one flat block for the chunk's casts: glibc reuses
+            # one freed block, where many freed together were handed back to the kernel and faulted in
+            # again each step (measured: one-chunk steps 1.5-2x slower at random).
+            return torch.empty(need, dtype=torch.float32, device=self.masters[0].device) if need else None
+        if self._workspace is None or self._workspace.numel() < need:   # kept: at most the largest chunk
             self._workspace = torch.empty(need, dtype=torch.float32, device=self.masters[0].device)
         return self._workspace
 
