@@ -95,7 +95,7 @@ def test_gradients_longer_than_a_block_are_summed_blockwise():
     norm = GradNorm(block=16)
     assert [b.item() for b in norm._block_squares(g)] == [64.0, 64.0, 32.0]
     assert norm([g]).item() == pytest.approx(math.sqrt(160), rel=2**-24)
-    assert norm.scratch_bytes == 16 * 4        # one block of fp32, kept
+    assert norm.scratch_bytes == 16 * 4        # one block of fp32, freed at the end of the call
 
 
 def test_bad_block_size_names_the_fix():

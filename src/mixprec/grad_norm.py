@@ -12,9 +12,10 @@ the optimizer moves a single weight. Under a pure recipe the optimizer steps fp3
   ms, where a cast and a BLAS dot take 4.9 ms). ATen's own norm kernels on 16-bit input were measured
   10x slower (``_foreach_norm``: 41 ms).
 - CPU otherwise (small gradients, fp32 ones, or where the compiler is missing): each block of at most
-  ``block`` (2**20) elements is cast into one small fp32 scratch kept here (4 MiB at most, it stays in
-  cache) and dotted there by BLAS; an fp32 gradient is dotted where it lies. Casting a whole gradient
-  into fresh fp32 memory instead pays that memory's page faults at every step.
+  ``block`` (2**20) elements is cast into one small fp32 scratch (4 MiB at most, it stays in cache;
+  made once per call and freed before the chunks are cast, so the step's peak does not grow) and dotted
+  there by BLAS; an fp32 gradient is dotted where it lies. Casting a whole gradient into fresh fp32
+  memory instead pays that memory's page faults at every step.
 
 Bits. The caller hands the same tensors whatever the chunking (the model's 16-bit gradients, never
 their fp32 casts), and each tensor's sum depends only on its values and size: the compiled loop's
@@ -50,7 +51,7 @@ _COMPILED_MIN = 2**20
 
 def _sum_squares_f32(g16: torch.Tensor) -> torch.Tensor:
     x = g16.float()       # exact; the compiler fuses the cast into the reduction: no fp32 copy is made
-    return (x * x).sum()  # fp32 squares (exact for 16-bit values: 2 x 11 or 2 x 8 significant bits)
+    return (x * x).sum()  # squares exact in fp32 (2 x 11 or 2 x 8 significant bits) inside its range
 
 
 _fused_sum_squares = FusedFunction(_sum_squares_f32, "16-bit sum of squares")
@@ -82,8 +83,9 @@ def global_norm_f32(grads: list[torch.Tensor], sync: GradSync | None = None) -> 
 class GradNorm:
     """The norm of a pure recipe's gradients (16-bit and fp32 mixed), read without fp32 copies.
 
-    Keeps the CPU scratch between calls (``scratch_bytes``; at most ``4 * block`` bytes). Called with
-    ``sync`` the squares are summed across ranks first (``GradSync.reduce_sum_squares``). No host sync.
+    ``scratch_bytes`` says how much CPU scratch the last call used (at most ``4 * block`` bytes, freed
+    at its end). Called with ``sync`` the squares are summed across ranks first
+    (``GradSync.reduce_sum_squares``). No host sync.
     """
 
     def __init__(self, block: int = _BLOCK, *, compiled: bool = True) -> None:
@@ -92,12 +94,8 @@ class GradNorm:
                              f"block starts {_ALIGN}-byte aligned), e.g. {_BLOCK}; got {block!r}")
         self.block = block
         self.compiled = compiled    # False: the scratch for every 16-bit gradient (no compiler)
-        self._scratch: torch.Tensor | None = None
-
-    @property
-    def scratch_bytes(self) -> int:
-        """Bytes of fp32 scratch kept between steps (CPU only; 0 until a 16-bit gradient was read)."""
-        return 0 if self._scratch is None else self._scratch.untyped_storage().nbytes()
+        self._scratch: torch.Tensor | None = None   # during a call only
+        self.scratch_bytes = 0
 
     def __call__(self, grads: list[torch.Tensor], sync: GradSync | None = None) -> torch.Tensor:
         """The global L2 norm of ``grads`` in fp32 (a () tensor); inf or NaN iff some gradient is."""
@@ -106,7 +104,11 @@ class GradNorm:
         if grads[0].device.type != "cpu" or torch.compiler.is_compiling():
             # One launch reads every dtype (CUDA); a compiled graph fuses the casts into its reduction.
             return global_norm_f32(grads, sync)
-        squares = [sq for g in grads for sq in self._block_squares(g)]
+        try:
+            squares = [sq for g in grads for sq in self._block_squares(g)]
+        finally:
+            self.scratch_bytes = 0 if self._scratch is None else 4 * self._scratch.numel()
+            self._scratch = None      # freed before the step casts its chunks into fp32
         sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32)
         if sync is not None and sync.kind is not SyncKind.LOCAL:
             sq = sync.reduce_sum_squares(sq)
