@@ -5,7 +5,14 @@ chunk's update (master.py). The old step, which filled every fp32 copy's gradien
 is still what the engine runs while a step observer is attached; a no-op observer selects it, so both
 run from the same code in one process, interleaved (old, new, old, new ...), on the same gradients.
 
+``--chunk-mib`` sets the new step's ``chunk_bytes`` (64 MiB is the default; a small value gives several
+chunks on a small model). The fixed gradients are stepped again and again, so the usage checks are told
+they came from ``mp.backward``, and between steps the fp32 copies' gradients are freed as
+``mp.zero_grad()`` frees them in a training loop (both outside the timing). ``--clock cpu`` times this
+process's CPU time instead of the wall clock: steadier where other jobs share the CPU.
+
 Usage: python benchmarks/bench_pure_step.py [--device cpu|cuda] [--reps 20] [--widths 1024,2048]
+       [--chunk-mib 64,4] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ class _NoOp:
         pass
 
 
-def build(width: int, depth: int, device, recipe: str, fused: bool, old: bool):
+def build(width: int, depth: int, device, recipe: str, fused: bool, old: bool, chunk_mib: float = 64):
     torch.manual_seed(0)
     layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())]
     model = nn.Sequential(*layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
     mp = mixprec.MixedPrecision(model, opt, recipe, clip_grad_norm=1.0)
+    mp.master.chunk_bytes = int(chunk_mib * 2**20)
     if old:
         mp.add_step_observer(_NoOp())
     g = torch.Generator(device=device).manual_seed(1)
@@ -42,14 +50,19 @@ def build(width: int, depth: int, device, recipe: str, fused: bool, old: bool):
     return mp
 
 
-def timed(mp, device) -> float:
+def timed(mp, device, clock=time.perf_counter) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    # The same fixed gradients every step: tell the usage checks they came from mp.backward (they
+    # would refuse a second step on unchanged gradients), and free the fp32 copies' gradients as
+    # mp.zero_grad() does in a training loop (the old step cast into fresh ones each step), untimed.
+    mp._checks.via_engine = True
+    mp.master.zero_grad()
+    t0 = clock()
     mp.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def main() -> None:
@@ -60,30 +73,34 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--recipes", default="fp16-pure,bf16-pure")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunk-mib", default="64,4", help="chunk_bytes of the new step, in MiB")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (time.process_time), steadier on a shared CPU")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"torch {torch.__version__}, {device}, {args.threads} thread(s); MLP of depth {args.depth}; "
-          f"AdamW, clip 1.0; {args.reps} interleaved reps, medians of step() alone")
-    print(f"{'recipe':<10} {'width':>6} {'params':>8} {'optimizer':<8} {'chunks':>6} {'old ms':>9} "
+          f"AdamW, clip 1.0; {args.reps} interleaved reps, medians of step() alone ({args.clock} clock)")
+    print(f"{'recipe':<10} {'width':>6} {'params':>8} {'optimizer':<8} {'MiB':>4} {'chunks':>6} {'old ms':>9} "
           f"{'new ms':>9} {'old/new':>8}")
-    for recipe in args.recipes.split(","):
-        for width in (int(w) for w in args.widths.split(",")):
-            for fused in (True, False):
-                old, new = (build(width, args.depth, device, recipe, fused, o) for o in (True, False))
-                plan = new.master._plan(new.optimizer)
-                chunks = 1 if plan is None else len(plan)
-                for mp in (old, new):           # warm-up: optimizer state, allocator
-                    timed(mp, device)
-                t_old, t_new = [], []
-                for _ in range(args.reps):
-                    t_old.append(timed(old, device))
-                    t_new.append(timed(new, device))
-                mo, mn = statistics.median(t_old) * 1e3, statistics.median(t_new) * 1e3
-                n = sum(p.numel() for p in new.model.parameters())
-                print(f"{recipe:<10} {width:>6} {n / 1e6:>7.1f}M {'fused' if fused else 'foreach':<8} "
-                      f"{chunks:>6} {mo:>9.2f} {mn:>9.2f} {mo / mn:>7.2f}x", flush=True)
-
+    rows = [(recipe, int(width), float(chunk_mib), fused) for recipe in args.recipes.split(",")
+            for width in args.widths.split(",") for chunk_mib in args.chunk_mib.split(",")
+            for fused in (True, False)]
+    for recipe, width, chunk_mib, fused in rows:
+        old, new = (build(width, args.depth, device, recipe, fused, o, chunk_mib) for o in (True, False))
+        plan = new.master._plan(new.optimizer)
+        chunks = 1 if plan is None else len(plan)
+        for mp in (old, new):           # warm-up: optimizer state, allocator
+            timed(mp, device)
+        t_old, t_new = [], []
+        for _ in range(args.reps):
+            t_old.append(timed(old, device, clock))
+            t_new.append(timed(new, device, clock))
+        mo, mn = statistics.median(t_old) * 1e3, statistics.median(t_new) * 1e3
+        n = sum(p.numel() for p in new.model.parameters())
+        print(f"{recipe:<10} {width:>6} {n / 1e6:>7.1f}M {'fused' if fused else 'foreach':<8} "
+              f"{chunk_mib:>4g} {chunks:>6} {mo:>9.2f} {mn:>9.2f} {mo / mn:>7.2f}x", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,8 @@ from .casting import cast_model, keeps_fp32, low_precision_params
 from .checkpoint_check import check_engine_state
 from .compact_adamw import CompactAdamW
 from .devices import supports
-from .grad_sync import GradSync, GroupChoice, SyncKind, local_shard
+from .grad_norm import GradNorm, global_norm_f32
+from .grad_sync import GradSync, GroupChoice, SyncKind
 from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
@@ -70,29 +71,6 @@ class Fp8EmulationWarning(UserWarning):
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
 # finite clip coefficient (clamped to 1 anyway).
 _CLIP_EPS = 1e-6
-
-
-def _global_norm_f32(grads: list[torch.Tensor], sync: GradSync | None = None) -> torch.Tensor:
-    """Global L2 norm in fp32, one read of every gradient; inf or NaN iff some gradient is.
-
-    On CUDA one multi-tensor ``_foreach_norm`` launch reads everything. On CPU a BLAS dot per tensor
-    reads at memory speed, where ``_foreach_norm`` was measured 1.7x slower (benchmarks/RESULTS.md).
-    A sum of squares overflows fp32 only for a norm above 1.8e19, which is treated as an overflow.
-    Across ranks (``sync``) each rank sums the squares of the part it holds (a DTensor's local shard)
-    and one all_reduce combines them (mixprec.distributed), so every rank gets the same norm.
-    """
-    if sync is None or sync.kind is SyncKind.LOCAL:   # one process: exactly the norm it always was
-        if grads[0].device.type != "cpu":
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-        flat = [g.reshape(-1).float() for g in grads]
-        return torch.stack([torch.dot(g, g) for g in flat]).sum().sqrt()
-    if sync.fsdp:
-        grads = [local_shard(g) for g in grads]       # DTensor -> this rank's shard
-    if grads[0].device.type != "cpu":
-        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-    else:
-        sq = torch.stack([torch.dot(g.reshape(-1).float(), g.reshape(-1).float()) for g in grads]).sum()
-    return sync.reduce_sum_squares(sq).sqrt()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +192,7 @@ class MixedPrecision:
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
+        self._grad_norm = GradNorm()     # the chunked pure step's norm: 16-bit gradients, no fp32 copies
         self._nonfinite = None
         self._overflow_check: tuple | None = None    # (found_inf, scale, traced ops) of the last step
         self._overflow = None
@@ -299,9 +278,9 @@ class MixedPrecision:
         if self.master is not None and whole:
             self.master.pull_grads()
         elif self.master is not None:
-            self.master.begin_step(self.optimizer)   # one chunk: the fp32 casts are made here, once
-        # What backward made, in the optimizer's order: with fp32 copies in several chunks the 16-bit
-        # gradients (cast to fp32 chunk by chunk inside the step), in one chunk their fp32 casts.
+            self.master.begin_step(self.optimizer)   # CPU: the first chunk's fp32 casts are made here
+        # What backward made, in the optimizer's order: with fp32 copies stepped in chunks the 16-bit
+        # gradients (cast to fp32 chunk by chunk inside the step; on CPU the first chunk's casts).
         grads = self._grads()
         # The scale this step's gradients carry (a copy: the compiled step updates it in place).
         scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
@@ -339,7 +318,9 @@ class MixedPrecision:
         The optimizer must see ``grad / divisor``; ``divisor`` is None where that is grad itself.
         """
         scale = self.loss_scale.value
-        scaled_norm = _global_norm_f32(grads, self.grad_sync)   # the same on every rank
+        # Chunked fp32 copies: the norm reads 16-bit gradients, whichever chunk cast them (grad_norm).
+        norm = self._grad_norm if self.master is not None and not self._master_whole() else global_norm_f32
+        scaled_norm = norm(grads, self.grad_sync)   # the same on every rank
         found_inf = ~torch.isfinite(scaled_norm)
         # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
         grad_norm = scaled_norm / scale

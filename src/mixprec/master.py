@@ -20,10 +20,17 @@ frees the transients before the next chunk. So the step's extra memory is bounde
 (64 MiB by default; a single tensor larger than that is its own chunk), and a model whose fp32 copies
 fit in one chunk steps in one ``optimizer.step()`` call exactly as a plain optimizer would.
 
-On CPU a chunk of at least ``_WORKSPACE_MIN`` (32 MiB) of fp32 gradients is cast into one flat fp32
-workspace that is kept between steps (at most ``chunk_bytes``; ``workspace_bytes``): allocating it
-afresh each step was measured 2-3x slower there (benchmarks/RESULTS.md, page faults on fresh memory).
+On CPU the chunks of a step in several chunks, and a single chunk of at least ``_WORKSPACE_MIN`` (32
+MiB) of fp32 gradients, are cast into one flat fp32 workspace that is kept between steps (the largest
+chunk: at most ``chunk_bytes``, or one larger tensor; ``workspace_bytes``): allocating each chunk's
+casts afresh was measured 2-3x slower there (benchmarks/RESULTS.md, page faults on fresh memory; with
+4 MiB chunks of 16 MiB tensors 7 ms of a 24 ms step). A model in one small chunk keeps nothing (its
+casts share one fresh block per step).
 CUDA's caching allocator reuses the freed block by itself, so on CUDA nothing is kept.
+
+The engine reads the global norm before the first chunk steps, from the model's 16-bit gradients
+(``grad_norm.GradNorm``: no fp32 copies), whatever the chunking: the same tensors read the same way, so
+a chunked step's norm, and with it the clip and the skip, is bitwise the one-call step's.
 
     >>> w = torch.full((100_000,), 1.0)
     >>> stochastic_round_bf16(w + 2**-10, torch.Generator().manual_seed(0)).float().mean().item()
@@ -83,7 +90,7 @@ class MasterWeights:
         self.chunk_bytes = chunk_bytes
         self._workspace: torch.Tensor | None = None     # CPU only, see the module docstring
         self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
-        self._pulled = False                             # begin_step cast every gradient already
+        self._planned = False                            # begin_step planned this step
         # Clone before the model is cast: the master starts as the exact fp32 initial weights.
         self.masters = [nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
                         for p in self.model_params]
@@ -102,30 +109,26 @@ class MasterWeights:
             self._release()
 
     def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Plan the step's chunks. With one chunk the fp32 gradients are cast here, at once, so the
-        overflow check and the norm read them (an fp16->fp32 cast costs a CPU more than the norm
-        itself; reading the casts once is what the step did before chunks). No sync."""
+        """Plan the step's chunks (``step`` uses the plan). Casts nothing; no sync."""
         self._step_plan = self._plan(optimizer)
-        self._pulled = self._step_plan is None
-        if self._pulled:
-            self.pull_grads()
+        self._planned = True
 
     def grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The gradients for every tensor ``optimizer`` steps, in its order: after a one-chunk
-        ``begin_step`` the fp32 copies' (exact casts), else the model's 16-bit gradient for a copy and
-        the tensor's own gradient otherwise. No copy, no sync."""
+        """The gradients for every tensor ``optimizer`` steps, in its order: the model's 16-bit gradient
+        for an fp32 copy (whose own is cast chunk by chunk inside ``step``), the tensor's own gradient
+        otherwise. No copy, no sync."""
         out = []
         for group in optimizer.param_groups:
             for t in group["params"]:
                 i = self._index.get(id(t))
-                g = t.grad if i is None or self._pulled else self.model_params[i].grad
+                g = t.grad if i is None else self.model_params[i].grad
                 if g is not None:
                     out.append(g)
         return out
 
     def skip_step(self) -> None:
-        """A skipped step: free what ``begin_step`` cast; the weights stay as they are."""
-        self._pulled = False
+        """A skipped step: drop the plan and any fp32 gradient; the weights stay as they are."""
+        self._planned = False
         for m in self.masters:
             m.grad = None
         if not self.keep:
@@ -136,14 +139,14 @@ class MasterWeights:
         i = self._index.get(id(t))
         return t.numel() if i is None else self.model_params[i].numel()
 
-    def pull_grads(self, which: list[int] | None = None) -> None:
+    def pull_grads(self, which: list[int] | None = None, *, chunked: bool = False) -> None:
         """Cast the model's low-precision gradients into the fp32 copies (and, transient, the weights).
 
         Casting fp16/bf16 to fp32 is exact: the copies hold what backward made. ``which`` picks copies
-        by position (default: all).
+        by position (default: all); ``chunked``: they are one chunk of several (CPU: the workspace).
         """
         which = range(len(self.masters)) if which is None else which
-        workspace = self._workspace_for(which)
+        workspace = self._workspace_for(which, chunked)
         offset = 0
         for i in which:
             p, m = self.model_params[i], self.masters[i]
@@ -165,14 +168,17 @@ class MasterWeights:
         """Bytes of the fp32 gradient workspace kept between steps (CPU, large chunks only; else 0)."""
         return 0 if self._workspace is None else self._workspace.untyped_storage().nbytes()
 
-    def _workspace_for(self, which) -> torch.Tensor | None:
+    def _workspace_for(self, which, chunked: bool) -> torch.Tensor | None:
         if not self.keep or not self.masters or self.masters[0].device.type != "cpu":
             return None
         need = sum(self.model_params[i].numel() for i in which if self.model_params[i].grad is not None
                    and self.model_params[i].grad.layout == torch.strided)
-        if 4 * need < _WORKSPACE_MIN:
-            return None
-        if self._workspace is None or self._workspace.numel() < need:
+        if 4 * need < _WORKSPACE_MIN and not chunked:
+            # Kept nothing between steps, but still one flat block for the chunk's casts: glibc reuses
+            # one freed block, where many freed together were handed back to the kernel and faulted in
+            # again each step (measured: one-chunk steps 1.5-2x slower at random).
+            return torch.empty(need, dtype=torch.float32, device=self.masters[0].device) if need else None
+        if self._workspace is None or self._workspace.numel() < need:   # kept: at most the largest chunk
             self._workspace = torch.empty(need, dtype=torch.float32, device=self.masters[0].device)
         return self._workspace
 
@@ -186,11 +192,11 @@ class MasterWeights:
         ``optimizer.step``, or the engine's own AdamW). Its step pre/post hooks run once per chunk.
         Multiplying after the exact cast is what the unchunked step did: the same bits. No sync.
         """
-        plan = self._step_plan if self._pulled else self._plan(optimizer)
+        plan = self._step_plan if self._planned else self._plan(optimizer)
+        self._planned = False
         if plan is None:            # everything fits one chunk: the optimizer's groups stay as built
             everything = list(range(len(self.masters)))
-            self._step_chunk(optimizer, everything, step_fn, inv_divisor, pulled=self._pulled)
-            self._pulled = False
+            self._step_chunk(optimizer, everything, step_fn, inv_divisor, chunked=False)
             return
         groups = optimizer.param_groups
         saved = [g["params"] for g in groups]
@@ -198,15 +204,17 @@ class MasterWeights:
             for chunk in plan:
                 for group, members in zip(groups, chunk):
                     group["params"] = members
-                which = [self._index[id(t)] for members in chunk for t in members if id(t) in self._index]
-                self._step_chunk(optimizer, which, step_fn, inv_divisor)
+                self._step_chunk(optimizer, self._positions(chunk), step_fn, inv_divisor, chunked=True)
         finally:
             for group, members in zip(groups, saved):
                 group["params"] = members
 
-    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor, pulled: bool = False) -> None:
-        if not pulled:
-            self.pull_grads(which)
+    def _positions(self, chunk: list[list[torch.Tensor]]) -> list[int]:
+        """The positions of a chunk's fp32 copies (its fp32 tensors of the model's own have none)."""
+        return [self._index[id(t)] for members in chunk for t in members if id(t) in self._index]
+
+    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor, chunked: bool) -> None:
+        self.pull_grads(which, chunked=chunked)
         if inv_divisor is not None:
             # fp32 copies and fp32 model gradients alike: the optimizer sees grad * clip / S.
             grads = [t.grad for g in optimizer.param_groups for t in g["params"] if t.grad is not None]
@@ -257,6 +265,7 @@ class MasterWeights:
             self._release(which)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._planned = False
         for m in self.masters:
             if set_to_none:
                 m.grad = None
@@ -289,3 +298,4 @@ class MasterWeights:
                 m.data.copy_(saved)
         if self.generator is not None and state.get("generator") is not None:
             self.generator.set_state(state["generator"])
+
