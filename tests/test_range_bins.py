@@ -123,6 +123,38 @@ def test_every_16_bit_pattern_is_counted_as_classify_counts_it(dtype, scale):
     assert fused.zeros == (258 if (dtype, scale) == (torch.bfloat16, 2.0**-24) else 2)
 
 
+@pytest.mark.parametrize("scale", [None, 2.0**-24], ids=["unscaled", "scaled"])
+def test_pairs_count_what_one_value_at_a_time_counts(monkeypatch, scale):
+    # The CPU's pair route (two values' bins in one code, N_BINS**2 codes) on every edge and every
+    # 16-bit pattern, in one piece so that each value's partner is a value far away in the tensor.
+    s = None if scale is None else torch.tensor(scale)
+    inputs = [_adversarial_f32(), _all_16bit(torch.float16), _all_16bit(torch.bfloat16)]
+    for x in inputs:
+        x = x[: x.numel() // 2 * 2]
+        single = _stats(x, s, True)
+        monkeypatch.setattr(range_bins, "_PAIRS_MIN_CPU", 2)
+        paired = _stats(x, s, True)
+        monkeypatch.setattr(range_bins, "_PAIRS_MIN_CPU", 1 << 17)
+        assert paired == single == _stats(x, s, False)
+        xs = x.float() if s is None else x.float() * s
+        for fmt in RANGE_FORMATS:
+            assert paired.formats[fmt.name] == classify(xs, fmt), fmt.name
+    pairs = range_bins._fused_pair_binning()
+    assert pairs.broken is None and pairs._compiled is not None     # the compiled kernel counted them
+
+
+def test_only_even_single_runs_on_a_cpu_are_paired(monkeypatch):
+    monkeypatch.setattr(range_bins, "_PAIRS_MIN_CPU", 4)
+    x = torch.arange(8, dtype=torch.float32)
+    assert range_bins._pairs_pay(x, (8,))
+    assert not range_bins._pairs_pay(x[:7], (7,))          # odd: no partner for the last value
+    assert not range_bins._pairs_pay(x, (4, 4))            # two runs: codes would mix their rows
+    assert not range_bins._pairs_pay(x[:2], (2,))          # below the size where pairs pay
+    # An odd piece still counts right (the one-value kernel): 0 once, then 1 .. 6.
+    counts, amax = count_piece(x[:7], None, (7,), True)
+    assert counts.sum() == 7 and counts[0] == 1 and amax.item() == 6.0
+
+
 def test_segments_fused_equal_segments_eager_and_separate_adds():
     x = _adversarial_f32()
     sizes = [3, 0, 1, 5000, 10_000, x.numel() - 15_004]
