@@ -36,7 +36,7 @@ from .casting import cast_model, keeps_fp32, low_precision_params
 from .checkpoint_check import check_engine_state
 from .compact_adamw import CompactAdamW
 from .devices import supports
-from .grad_norm import GradNorm, global_norm_f32
+from .grad_norm import GradNorm
 from .grad_sync import GradSync, GroupChoice, SyncKind
 from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
@@ -45,6 +45,8 @@ from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackwar
 from .master import MasterWeights
 from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
 from .oplists import op_list_mode
+from .optimizer_step import (fused_optimizer_step, fused_step_ok, generic_optimizer_step, master_whole,
+                             optimizer_grads, unscale_and_clip)
 from .recipe import Precision, Recipe, get_recipe
 from .usage_checks import UsageChecks
 from .recipe.moments import Moments
@@ -66,11 +68,6 @@ class StepObserver(Protocol):
 
 class Fp8EmulationWarning(UserWarning):
     """An fp8 recipe runs emulated (exact fp8 rounding, fp32 matmuls) on a device without fp8 matmuls."""
-
-
-# Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
-# finite clip coefficient (clamped to 1 anyway).
-_CLIP_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,29 +271,29 @@ class MixedPrecision:
             raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
         self._checks.check_before_step(model_grads)   # stale or unscaled gradients: refused here
         # fp32 copies whole when observers read them or the step is compiled; else chunk by chunk.
-        whole = self._master_whole()
+        whole = master_whole(self)
         if self.master is not None and whole:
             self.master.pull_grads()
         elif self.master is not None:
             self.master.begin_step(self.optimizer)   # CPU: the first chunk's fp32 casts are made here
         # What backward made, in the optimizer's order: with fp32 copies stepped in chunks the 16-bit
         # gradients (cast to fp32 chunk by chunk inside the step; on CPU the first chunk's casts).
-        grads = self._grads()
+        grads = optimizer_grads(self)
         # The scale this step's gradients carry (a copy: the compiled step updates it in place).
         scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
         for observer in self._step_observers.values():
             observer.before_step(self)      # gradients as backward left them: still scaled by S
-        compiled = self._compiled_step is not None and self._fused_step_ok()
+        compiled = self._compiled_step is not None and fused_step_ok(self)
         if compiled:
             found_inf, grad_norm = self._compiled_step(grads)
             stepped = None      # decided on the device: no host sync
-        elif self._fused_step_ok():
-            found_inf, grad_norm, divisor = self._unscale_and_clip(grads)
-            self._fused_optimizer_step(divisor, found_inf.to(torch.float32))
+        elif fused_step_ok(self):
+            found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
+            fused_optimizer_step(self, divisor, found_inf.to(torch.float32))
             stepped = None      # decided on the device: no host sync
         else:
-            found_inf, grad_norm, divisor = self._unscale_and_clip(grads)
-            stepped = self._generic_optimizer_step(grads, divisor, found_inf)
+            found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
+            stepped = generic_optimizer_step(self, grads, divisor, found_inf)
         for observer in self._step_observers.values():
             observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
         if self.master is not None and whole and (stepped is not False or not self.master.keep):
@@ -312,30 +309,6 @@ class MixedPrecision:
         self._checks.after_step(model_grads, found_inf, stepped)   # warns after 10 skips in a row
         return StepResult(found_inf, self.loss_scale.value.clone(), grad_norm)
 
-    def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """``(found_inf, grad_norm, divisor)`` from one read of the gradients; no host sync.
-
-        The optimizer must see ``grad / divisor``; ``divisor`` is None where that is grad itself.
-        """
-        scale = self.loss_scale.value
-        # Chunked fp32 copies: the norm reads 16-bit gradients, whichever chunk cast them (grad_norm).
-        norm = self._grad_norm if self.master is not None and not self._master_whole() else global_norm_f32
-        scaled_norm = norm(grads, self.grad_sync)   # the same on every rank
-        found_inf = ~torch.isfinite(scaled_norm)
-        # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
-        grad_norm = scaled_norm / scale
-        # Without a loss scale or clipping there is no division at all (S = 1 exactly, a Python-level
-        # fact of NoLossScale).
-        divisor = scale if self._unscale_and_clip_divides() else None
-        if self.clip_grad_norm is not None:
-            clip = (self.clip_grad_norm / (grad_norm + _CLIP_EPS)).clamp(max=1.0)
-            divisor = scale / clip
-        return found_inf, grad_norm, divisor
-
-    def _unscale_and_clip_divides(self) -> bool:
-        """Whether the optimizer must divide the gradients (a loss scale or clipping): a Python fact."""
-        return not isinstance(self.loss_scale, NoLossScale) or self.clip_grad_norm is not None
-
     def compile_step(self, **options: Any) -> MixedPrecision:
         """Run every later ``step()`` as one ``torch.compile`` graph; returns the engine.
 
@@ -348,73 +321,9 @@ class MixedPrecision:
         self._compiled_step = CompiledStep(self, options)
         return self
 
-    def _fused_optimizer_step(self, divisor: torch.Tensor | None, found_inf_f32: torch.Tensor) -> None:
-        """The optimizer divides by ``divisor`` and skips where ``found_inf_f32`` is 1, in its kernel."""
-        self.optimizer.grad_scale = divisor                       # type: ignore[attr-defined]
-        self.optimizer.found_inf = found_inf_f32                  # type: ignore[attr-defined]
-        try:
-            self._update(None)
-        finally:
-            del self.optimizer.grad_scale, self.optimizer.found_inf  # type: ignore[attr-defined]
-
-    def _generic_optimizer_step(self, grads: list[torch.Tensor], divisor: torch.Tensor | None,
-                                found_inf: torch.Tensor) -> bool:
-        stepped = not bool(found_inf)   # the one host sync of the generic path
-        if stepped:
-            self._update(None if divisor is None else 1.0 / divisor)
-        else:
-            # An LR scheduler stepping next to us would warn that optimizer.step() was never
-            # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
-            self.optimizer._opt_called = True  # type: ignore[attr-defined]
-            if self.master is not None and not self._master_whole():
-                self.master.skip_step()
-        return stepped
-
     def _model_grads(self) -> list[torch.Tensor]:
         """The gradients backward left on the model's own parameters (not the fp32 copies)."""
         return [p.grad for p in self.model.parameters() if p.grad is not None]
-
-    def _grads(self) -> list[torch.Tensor]:
-        """The gradients the optimizer steps on: the fp32 copies' (whole) or the chunked master's view."""
-        if self.master is not None and not self._master_whole():
-            return self.master.grads(self.optimizer)
-        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-    def _master_whole(self) -> bool:
-        """fp32 copies filled whole (observers read them; a compiled step steps them in one graph)."""
-        return bool(self._step_observers) or self._compiled_step is not None
-
-    def _update(self, inv_divisor: torch.Tensor | None) -> None:
-        """Step the optimizer on gradients times ``inv_divisor`` (None: as they are). With fp32 copies
-        the master steps them chunk by chunk (``MasterWeights.step``) and rounds each chunk into the
-        model, unless they were filled whole (``_master_whole``): then step() rounds them afterwards."""
-        step_fn = self.optimizer.step
-        if self.moments is not None:
-            step_fn = self.moments.step
-            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers: it stepped
-        if self.master is None or self._master_whole():
-            if inv_divisor is not None:
-                # Every gradient the optimizer holds is fp32 here (copies filled by pull_grads).
-                torch._foreach_mul_(self._grads(), inv_divisor)
-            step_fn()
-        else:
-            self.master.step(self.optimizer, step_fn, inv_divisor)
-
-    def _fused_step_ok(self) -> bool:
-        """True when the optimizer can divide, clip and skip inside its own fused kernel."""
-        opt = self.optimizer
-        if self.moments is not None:        # the engine's own AdamW takes the generic path
-            return False
-        if not getattr(opt, "_step_supports_amp_scaling", False):
-            return False
-        if not all(g.get("fused") for g in opt.param_groups):
-            return False
-        if isinstance(opt, torch.optim.SGD):
-            # torch's fused SGD creates its momentum buffers with empty_like on the first step and
-            # leaves them uninitialised if that step is skipped: take the generic path until they exist.
-            return all(g["momentum"] == 0 or "momentum_buffer" in opt.state.get(p, {})
-                       for g in opt.param_groups for p in g["params"])
-        return True
 
     @property
     def last_overflow(self) -> NonfiniteOrigin | None:

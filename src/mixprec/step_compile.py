@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .optimizer_step import divides, unscale_and_clip
+
 if TYPE_CHECKING:
     from .engine import MixedPrecision
 
@@ -54,7 +56,7 @@ class CompiledStep:
 
     def _body(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         engine = self.engine
-        found_inf, grad_norm, divisor = engine._unscale_and_clip(grads)
+        found_inf, grad_norm, divisor = unscale_and_clip(engine, grads)
         if divisor is not None:     # a Python-level fact of the recipe and clip setting: no branch on data
             self.grad_scale.copy_(divisor)
         self.found_inf.copy_(found_inf.to(torch.float32))
@@ -65,8 +67,7 @@ class CompiledStep:
     def __call__(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(found_inf, grad_norm)``, the optimizer stepped or skipped and the loss scale updated."""
         opt = self.engine.optimizer
-        divides = self.engine._unscale_and_clip_divides()
-        opt.grad_scale = self.grad_scale if divides else None     # type: ignore[attr-defined]
+        opt.grad_scale = self.grad_scale if divides(self.engine) else None   # type: ignore[attr-defined]
         opt.found_inf = self.found_inf                            # type: ignore[attr-defined]
         try:
             return self.compiled(grads)

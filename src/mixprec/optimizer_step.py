@@ -1,0 +1,134 @@
+"""The middle of ``MixedPrecision.step()``: from the gradients backward left to the optimizer's update.
+
+One read of the gradients gives a global norm of the still-scaled gradients (``unscale_and_clip``): it
+is inf or NaN exactly when some gradient is, so the overflow check and the clip share that pass, and
+``S / clip`` is the divisor the optimizer must apply. Then one of two paths:
+
+- fused (``fused_step_ok``: torch's fused Adam, AdamW or SGD): the optimizer gets ``grad_scale`` and
+  ``found_inf`` tensors and divides, clips and skips inside its own kernel; no host sync.
+- generic (any other optimizer, and the engine's own AdamW for ``moments=``): one host sync to learn
+  whether to call the optimizer at all, one in-place multiply of the gradients by ``clip / S``.
+
+Either way ``update`` runs the optimizer, through the master weights' chunks where the recipe keeps
+fp32 copies (``master.MasterWeights.step``), or on the fp32 copies filled whole where step observers
+read them or the step is compiled (``master_whole``). These are functions of the engine, not methods,
+so that ``engine.py`` keeps the loop's shape and this module the step's arithmetic; ``step_compile``
+traces the same functions into its graph.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .grad_norm import global_norm_f32
+from .loss_scale import NoLossScale
+
+if TYPE_CHECKING:
+    from .engine import MixedPrecision
+
+__all__ = ["unscale_and_clip", "divides", "fused_step_ok", "fused_optimizer_step", "generic_optimizer_step",
+           "master_whole", "optimizer_grads", "update"]
+
+# Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
+# finite clip coefficient (clamped to 1 anyway).
+CLIP_EPS = 1e-6
+
+
+def unscale_and_clip(engine: MixedPrecision, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(found_inf, grad_norm, divisor)`` from one read of the gradients; no host sync.
+
+    The optimizer must see ``grad / divisor``; ``divisor`` is None where that is grad itself.
+    """
+    scale = engine.loss_scale.value
+    # Chunked fp32 copies: the norm reads 16-bit gradients, whichever chunk cast them (grad_norm).
+    norm = engine._grad_norm if engine.master is not None and not master_whole(engine) else global_norm_f32
+    scaled_norm = norm(grads, engine.grad_sync)   # the same on every rank
+    found_inf = ~torch.isfinite(scaled_norm)
+    # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
+    grad_norm = scaled_norm / scale
+    # Without a loss scale or clipping there is no division at all (S = 1 exactly, a Python-level
+    # fact of NoLossScale).
+    divisor = scale if divides(engine) else None
+    if engine.clip_grad_norm is not None:
+        clip = (engine.clip_grad_norm / (grad_norm + CLIP_EPS)).clamp(max=1.0)
+        divisor = scale / clip
+    return found_inf, grad_norm, divisor
+
+
+def divides(engine: MixedPrecision) -> bool:
+    """Whether the optimizer must divide the gradients (a loss scale or clipping): a Python fact."""
+    return not isinstance(engine.loss_scale, NoLossScale) or engine.clip_grad_norm is not None
+
+
+def fused_step_ok(engine: MixedPrecision) -> bool:
+    """True when the optimizer can divide, clip and skip inside its own fused kernel."""
+    opt = engine.optimizer
+    if engine.moments is not None:        # the engine's own AdamW takes the generic path
+        return False
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        return False
+    if not all(g.get("fused") for g in opt.param_groups):
+        return False
+    if isinstance(opt, torch.optim.SGD):
+        # torch's fused SGD creates its momentum buffers with empty_like on the first step and
+        # leaves them uninitialised if that step is skipped: take the generic path until they exist.
+        return all(g["momentum"] == 0 or "momentum_buffer" in opt.state.get(p, {})
+                   for g in opt.param_groups for p in g["params"])
+    return True
+
+
+def fused_optimizer_step(engine: MixedPrecision, divisor: torch.Tensor | None,
+                         found_inf_f32: torch.Tensor) -> None:
+    """The optimizer divides by ``divisor`` and skips where ``found_inf_f32`` is 1, in its kernel."""
+    engine.optimizer.grad_scale = divisor                       # type: ignore[attr-defined]
+    engine.optimizer.found_inf = found_inf_f32                  # type: ignore[attr-defined]
+    try:
+        update(engine, None)
+    finally:
+        del engine.optimizer.grad_scale, engine.optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def generic_optimizer_step(engine: MixedPrecision, grads: list[torch.Tensor], divisor: torch.Tensor | None,
+                           found_inf: torch.Tensor) -> bool:
+    """Step unless ``found_inf`` (one host sync); returns whether it stepped."""
+    stepped = not bool(found_inf)   # the one host sync of the generic path
+    if stepped:
+        update(engine, None if divisor is None else 1.0 / divisor)
+    else:
+        # An LR scheduler stepping next to us would warn that optimizer.step() was never
+        # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
+        engine.optimizer._opt_called = True  # type: ignore[attr-defined]
+        if engine.master is not None and not master_whole(engine):
+            engine.master.skip_step()
+    return stepped
+
+
+def optimizer_grads(engine: MixedPrecision) -> list[torch.Tensor]:
+    """The gradients the optimizer steps on: the fp32 copies' (whole) or the chunked master's view."""
+    if engine.master is not None and not master_whole(engine):
+        return engine.master.grads(engine.optimizer)
+    return [p.grad for g in engine.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def master_whole(engine: MixedPrecision) -> bool:
+    """fp32 copies filled whole (observers read them; a compiled step steps them in one graph)."""
+    return bool(engine._step_observers) or engine._compiled_step is not None
+
+
+def update(engine: MixedPrecision, inv_divisor: torch.Tensor | None) -> None:
+    """Step the optimizer on gradients times ``inv_divisor`` (None: as they are). With fp32 copies
+    the master steps them chunk by chunk (``MasterWeights.step``) and rounds each chunk into the
+    model, unless they were filled whole (``master_whole``): then step() rounds them afterwards."""
+    step_fn = engine.optimizer.step
+    if engine.moments is not None:
+        step_fn = engine.moments.step
+        engine.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers: it stepped
+    if engine.master is None or master_whole(engine):
+        if inv_divisor is not None:
+            # Every gradient the optimizer holds is fp32 here (copies filled by pull_grads).
+            torch._foreach_mul_(optimizer_grads(engine), inv_divisor)
+        step_fn()
+    else:
+        engine.master.step(engine.optimizer, step_fn, inv_divisor)
