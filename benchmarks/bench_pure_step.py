@@ -11,17 +11,20 @@ they came from ``mp.backward``, and between steps the fp32 copies' gradients are
 ``mp.zero_grad()`` frees them in a training loop (both outside the timing). ``--clock cpu`` times this
 process's CPU time instead of the wall clock: steadier where other jobs share the CPU.
 
-Each row builds the two engines twice, old first and then new first, and times both pairs: which
-engine is built second was measured to matter by up to 15% on this CPU (the columns "old 1st" and
-"new 1st" give each order's ratio; "old/new" pools both).
+Each row builds the pair of engines ``--builds`` times (old first, then new first, ...) and times
+each build on its own: the same step was measured up to 20% faster in one build than in another on
+this CPU (where the allocator places the weights, moments and workspace), so one build can fake a
+regression or hide one. "old/new" is the geometric mean of the builds' ratios, which follow it.
 
 Usage: python benchmarks/bench_pure_step.py [--device cpu|cuda] [--reps 20] [--widths 1024,2048]
-       [--chunk-mib 64,4] [--clock wall|cpu]
+       [--chunk-mib 64,4] [--clock wall|cpu] [--builds 4]
+       [--optimizers fused,foreach]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -77,6 +80,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--recipes", default="fp16-pure,bf16-pure")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--builds", type=int, default=4, help="builds of the old/new pair, orders alternating")
+    ap.add_argument("--optimizers", default="fused,foreach", help="AdamW flavours: fused, foreach or both")
     ap.add_argument("--chunk-mib", default="64,4", help="chunk_bytes of the new step, in MiB")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (time.process_time), steadier on a shared CPU")
@@ -85,39 +90,42 @@ def main() -> None:
     device = torch.device(args.device)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"torch {torch.__version__}, {device}, {args.threads} thread(s); MLP of depth {args.depth}; "
-          f"AdamW, clip 1.0; {args.reps} interleaved reps in each build order, medians of step() alone "
-          f"({args.clock} clock); old/new pools both orders")
+          f"AdamW, clip 1.0; {args.builds} builds of the pair (old first, new first, ...), {args.reps} "
+          f"interleaved reps each, medians of step() alone ({args.clock} clock)")
     print(f"{'recipe':<10} {'width':>6} {'params':>8} {'optimizer':<8} {'MiB':>4} {'chunks':>6} {'old ms':>9} "
-          f"{'new ms':>9} {'old/new':>8} {'old 1st':>8} {'new 1st':>8}")
+          f"{'new ms':>9} {'old/new':>8}  per build")
     rows = [(recipe, int(width), float(chunk_mib), fused) for recipe in args.recipes.split(",")
             for width in args.widths.split(",") for chunk_mib in args.chunk_mib.split(",")
-            for fused in (True, False)]
+            for fused in [o == "fused" for o in args.optimizers.split(",")]]
     for recipe, width, chunk_mib, fused in rows:
-        # The two engines are built once in each order and timed in both: on this CPU the engine whose
-        # tensors were allocated second was measured up to 15% slower whichever step it ran (where the
-        # allocator places 700 MB of weights, moments and workspace), enough to fake a regression.
-        t_old, t_new, orders = [], [], []
-        for new_first in (False, True):
-            built = {o: build(width, args.depth, device, recipe, fused, o, chunk_mib)
-                     for o in ((False, True) if new_first else (True, False))}
+        # The pair of engines is built several times, alternating which is built first, and each build
+        # is timed on its own: on this CPU the same step ran up to 20% slower in one build than in
+        # another (where 700 MB of weights, moments and workspace land), enough to fake a regression.
+        # old/new is the geometric mean of the builds' ratios; old ms and new ms their medians.
+        ratios, olds, news = [], [], []
+        for b in range(args.builds):
+            order = (True, False) if b % 2 == 0 else (False, True)
+            built = {o: build(width, args.depth, device, recipe, fused, o, chunk_mib) for o in order}
             old, new = built[True], built[False]
             plan = new.master._plan(new.optimizer)
             chunks = 1 if plan is None else len(plan)
-            for mp in (old, new):           # warm-up: optimizer state, allocator
-                timed(mp, device)
-            o_t, n_t = [], []
-            for _ in range(args.reps):
-                o_t.append(timed(old, device, clock))
-                n_t.append(timed(new, device, clock))
-            orders.append(statistics.median(o_t) / statistics.median(n_t))
-            t_old += o_t
-            t_new += n_t
             n = sum(p.numel() for p in new.model.parameters())
-            del built, old, new
-        mo, mn = statistics.median(t_old) * 1e3, statistics.median(t_new) * 1e3
+            for engine in (old, new):      # warm-up: optimizer state, allocator
+                timed(engine, device)
+            t_old, t_new = [], []
+            for _ in range(args.reps):
+                t_old.append(timed(old, device, clock))
+                t_new.append(timed(new, device, clock))
+            olds.append(statistics.median(t_old))
+            news.append(statistics.median(t_new))
+            ratios.append(olds[-1] / news[-1])
+            del built, old, new, engine, plan     # freed before the next build is made
+            gc.collect()
+        mo, mn = statistics.median(olds) * 1e3, statistics.median(news) * 1e3
         print(f"{recipe:<10} {width:>6} {n / 1e6:>7.1f}M {'fused' if fused else 'foreach':<8} "
-              f"{chunk_mib:>4g} {chunks:>6} {mo:>9.2f} {mn:>9.2f} {mo / mn:>7.2f}x "
-              f"{orders[0]:>7.2f}x {orders[1]:>7.2f}x", flush=True)
+              f"{chunk_mib:>4g} {chunks:>6} {mo:>9.2f} {mn:>9.2f} {statistics.geometric_mean(ratios):>7.2f}x  "
+              + " ".join(f"{r:.2f}" for r in ratios), flush=True)
+
 
 if __name__ == "__main__":
     main()
