@@ -37,10 +37,12 @@ case "${1:-}" in
     run bench-doctor "$PY" benchmarks/bench_doctor.py --device cuda
     run bench-dist "$PY" benchmarks/bench_dist.py --device cuda --nproc 1
     run bench-usage-checks "$PY" benchmarks/bench_usage_checks.py --device cuda --width 1024   # issue 15
-    run bench-pure-step "$PY" benchmarks/bench_pure_step.py --device cuda --widths 1024,2048,4096 --chunk-mib 64,4
+    # session 5: two builds per row (the step's time moved with where its memory landed on the CPU)
+    run bench-pure-step "$PY" benchmarks/bench_pure_step.py --device cuda --widths 1024,2048,4096 --chunk-mib 64,4 \
+        --builds 2
     # issue 13 session 4: step time against chunk_bytes on CUDA (per-chunk launches), to pick the default
     run bench-pure-step-chunks "$PY" benchmarks/bench_pure_step.py --device cuda --widths 4096 \
-        --recipes bf16-pure --chunk-mib 16,64,256,1024 ;;
+        --recipes bf16-pure --chunk-mib 16,64,256,1024 --builds 2 ;;
   lab)
     run compare-gpt2 $MIXPREC compare --benchmark gpt2 --device cuda --recipes fp32,tf32,fp16,bf16,fp8 \
         --steps 60 --json "$OUT/compare-gpt2.json"
