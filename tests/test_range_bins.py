@@ -269,8 +269,8 @@ def test_collector_routes_and_batch_give_the_same_counts():
 def test_fused_lost_update_masks_equal_update_lost():
     # Weights at fp16/bf16 edges (zero, subnormals, powers of two, max, past max, inf, NaN); updates of
     # every size around their half-gaps: w * 2**-k, both signs, and one fp32 ulp either side (ties).
-    from mixprec.diagnostics import range_collector
-    from mixprec.diagnostics.range_collector import UPDATE_FORMATS
+    from mixprec.diagnostics import update_loss
+    from mixprec.diagnostics.update_loss import UPDATE_FORMATS
     w = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, 2.0**-14, 2.0**-24, 3 * 2.0**-24, 2.0**-133, 1 / 3, 65504.0,
                       -65504.0, 65520.0, 1e30, 3.38e38, math.inf, math.nan])
     k = torch.arange(0, 31, dtype=torch.float32)
@@ -280,7 +280,7 @@ def test_fused_lost_update_masks_equal_update_lost():
     ww = w.repeat(u.numel() // w.numel() + 1)[:u.numel()]
     for shift in range(w.numel()):                     # every weight meets every update
         wi = ww.roll(shift)
-        fused = range_collector._lost_masks(wi, u)
+        fused = update_loss.lost_masks(wi, u)
         for fmt, mask in zip(UPDATE_FORMATS, fused):
             assert torch.equal(mask, update_lost(wi, u, fmt)), (fmt.name, shift)
-    assert range_collector._fused_lost.broken is None and range_collector._fused_lost._compiled is not None
+    assert update_loss._fused_lost.broken is None and update_loss._fused_lost._compiled is not None

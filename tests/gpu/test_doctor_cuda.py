@@ -105,12 +105,12 @@ def test_both_routes_on_cuda_count_every_edge_as_the_cpu_does_without_a_sync(fus
 
 
 def test_fused_lost_update_masks_on_cuda_equal_the_cpu():
-    from mixprec.diagnostics import range_collector
+    from mixprec.diagnostics import update_loss
     g = torch.Generator().manual_seed(3)
     w = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-30, 17, (200_000,), generator=g).float())
     u = w * torch.exp2(-torch.randint(5, 14, (200_000,), generator=g).float())
     u = torch.where(torch.arange(200_000) % 3 == 0, torch.nextafter(u, torch.zeros(())), u)   # ties +- 1 ulp
-    cuda = range_collector._lost_masks(w.cuda(), u.cuda())
-    for fmt, mask in zip(range_collector.UPDATE_FORMATS, cuda):
+    cuda = update_loss.lost_masks(w.cuda(), u.cuda())
+    for fmt, mask in zip(update_loss.UPDATE_FORMATS, cuda):
         assert torch.equal(mask.cpu(), update_lost(w, u, fmt)), fmt.name
-    assert range_collector._fused_lost.broken is None
+    assert update_loss._fused_lost.broken is None
