@@ -14,6 +14,7 @@ Backends: ``gloo`` (CPU tensors) or ``nccl`` (one CUDA GPU per rank: rank r uses
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import time
@@ -40,6 +41,9 @@ def default_backend(device_type: str) -> str:
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, args: tuple) -> None:
+    # A rank killed by a signal from C++ (SIGABRT, SIGSEGV: a collective library's thread) would only
+    # show "terminated with signal" in the parent; this prints where its Python threads were first.
+    faulthandler.enable()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if backend == "nccl":
