@@ -86,6 +86,10 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (time.process_time), steadier on a shared CPU")
     args = ap.parse_args()
+    if args.builds < 1 or args.reps < 1:
+        ap.error("--builds and --reps must be at least 1")
+    if not set(args.optimizers.split(",")) <= {"fused", "foreach"}:
+        ap.error(f"--optimizers takes fused, foreach or both (comma-separated), got {args.optimizers!r}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
