@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models that exercise every part of a recipe (a norm kept fp32, two linears)."""
 
 import contextlib
+import copy
 import glob
 import importlib.util
 import os
@@ -53,6 +54,23 @@ def batches(n: int, seed: int = 1, batch: int = 32, d_in: int = 8, d_out: int = 
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, d_in, generator=g), torch.randint(0, d_out, (batch,), generator=g))
             for _ in range(n)]
+
+
+def master_state(mp) -> tuple:
+    """What a pure-recipe step may change: the model's weights, the fp32 master copies, the optimizer state."""
+    return ([t.detach().clone() for t in mp.model.state_dict().values()],
+            [m.detach().clone() for m in mp.master.masters],
+            copy.deepcopy(mp.optimizer.state_dict()["state"]))
+
+
+def assert_same_state(a: tuple, b: tuple) -> None:
+    """Two ``master_state`` snapshots equal bit for bit (the same optimizer-state entries, too)."""
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        assert torch.equal(x, y)
+    assert a[2].keys() == b[2].keys()
+    for i in a[2]:
+        for k in a[2][i]:
+            assert torch.equal(torch.as_tensor(a[2][i][k]), torch.as_tensor(b[2][i][k])), (i, k)
 
 
 @pytest.fixture

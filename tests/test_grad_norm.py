@@ -1,13 +1,12 @@
 """The pure step's norm read from 16-bit gradients: hand-worked values, bits that depend on the values
 alone (not on alignment or chunking), one cast per gradient per step, and clipping as torch clips."""
 
-import copy
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import OPTIMIZERS, batches, tiny_model
+from conftest import OPTIMIZERS, assert_same_state, batches, master_state, tiny_model
 
 import mixprec.master as master_module
 from mixprec import MixedPrecision
@@ -127,20 +126,6 @@ def train(recipe, opt_name, *, chunk_bytes=None, block=None, clip=None, plant_at
     return mp, skipped
 
 
-def snapshot(mp):
-    return ([t.detach().clone() for t in mp.model.state_dict().values()],
-            [m.detach().clone() for m in mp.master.masters],
-            copy.deepcopy(mp.optimizer.state_dict()["state"]))
-
-
-def assert_bitwise(a, b):
-    for x, y in zip(a[0] + a[1], b[0] + b[1]):
-        assert torch.equal(x, y)
-    for i in a[2]:
-        for k in a[2][i]:
-            assert torch.equal(torch.as_tensor(a[2][i][k]), torch.as_tensor(b[2][i][k])), (i, k)
-
-
 @pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure"])
 @pytest.mark.parametrize("opt_name", ["adamw-fused", "sgd-momentum"])
 def test_chunked_is_one_call_bitwise_across_blocks_and_the_kept_workspace(recipe, opt_name, monkeypatch):
@@ -153,7 +138,7 @@ def test_chunked_is_one_call_bitwise_across_blocks_and_the_kept_workspace(recipe
     assert one.master.workspace_bytes > 0
     many, skipped = train(recipe, opt_name, chunk_bytes=100, block=16, clip=0.5, plant_at=1)
     assert skipped == [False, True, False, False]
-    assert_bitwise(snapshot(one), snapshot(many))
+    assert_same_state(master_state(one), master_state(many))
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 100])
@@ -223,4 +208,4 @@ def test_chunked_is_one_call_bitwise_through_the_compiled_loop(recipe):
                           steps=3)
     assert skipped == [False, True, False]
     assert len(many.master._plan(many.optimizer)) > 1
-    assert_bitwise(snapshot(one), snapshot(many))
+    assert_same_state(master_state(one), master_state(many))

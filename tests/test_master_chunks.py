@@ -1,13 +1,12 @@
 """Pure recipes at 16 B/param: no fp32 gradient outlives a step, the step's fp32 transients stay within
 one chunk, and a chunked step is the unchunked step bit for bit (skips included)."""
 
-import copy
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import OPTIMIZERS, batches, tiny_model
+from conftest import OPTIMIZERS, assert_same_state, batches, master_state, tiny_model
 
 from mixprec import MixedPrecision
 from mixprec.diagnostics.memory import state_bytes, storage_bytes
@@ -31,21 +30,6 @@ def train(recipe, opt_name, chunk_bytes=None, steps=4, clip=None, plant_at=None,
     return mp, skipped
 
 
-def state(mp):
-    return ([t.detach().clone() for t in mp.model.state_dict().values()],
-            [m.detach().clone() for m in mp.master.masters],
-            copy.deepcopy(mp.optimizer.state_dict()["state"]))
-
-
-def assert_same(a, b):
-    for x, y in zip(a[0] + a[1], b[0] + b[1]):
-        assert torch.equal(x, y)
-    assert a[2].keys() == b[2].keys()
-    for i in a[2]:
-        for k in a[2][i]:
-            assert torch.equal(torch.as_tensor(a[2][i][k]), torch.as_tensor(b[2][i][k])), (i, k)
-
-
 @pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure", "bf16-sr",
                                     "params=fp16,compute=fp16,master=fp32,scale=static:1024"])
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
@@ -54,7 +38,7 @@ def test_a_chunked_step_is_the_one_call_step_bit_for_bit(recipe, opt_name):
     whole, _ = train(recipe, opt_name, clip=1.0, plant_at=1)
     chunked, skipped = train(recipe, opt_name, chunk_bytes=100, clip=1.0, plant_at=1)
     assert skipped[1] and not any(skipped[2:])
-    assert_same(state(whole), state(chunked))
+    assert_same_state(master_state(whole), master_state(chunked))
 
 
 @pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-sr"])
