@@ -1,17 +1,19 @@
 """The cost of the doctor's range collection: a plain engine step against one with collection off and on.
 
-Four variants of the same training step (forward, backward, ``mp.step()``, ``zero_grad``) on a built-in
-workload's model, batch and optimizer, interleaved (plain, off, on, then off, on, plain, ...: the order
-rotates) so drift in clock speed or load hits all alike:
+Five variants of the same training step (forward, backward, ``mp.step()``, ``zero_grad``) on a built-in
+workload's model, batch and optimizer, interleaved (plain, off, on, ..., then off, on, ..., plain: the
+order rotates) so drift in clock speed or load hits all alike:
 
 - plain: no collector at all;
 - off:   ``with collector.collecting(enabled=False)``: must install nothing and cost nothing;
-- on:    ``with collector.collecting()`` with ``fused=True`` (compiled counting): every module's activations and activation gradients, every
-         weight, weight gradient and update counted exactly on the device, plus update underflow;
-- eager: the same with ``RangeCollector(fused=False)``: no torch.compile, the eager table route (the
-         CPU's default, and what a machine without a working compiler gets), side by side with "on".
+- on:    ``with collector.collecting()``, ``RangeCollector`` as ``mixprec doctor`` makes it (``fused=None``):
+         every module's activations and activation gradients, every weight, weight gradient and update
+         counted exactly on the device, plus update underflow; the counting compiled (Triton on a GPU,
+         C on a CPU), the lost-update test compiled on a GPU only;
+- fused: the same with ``fused=True``: the lost-update test compiled on a CPU too (Inductor);
+- eager: the same with ``fused=False``: eager torch ops only (what a machine without a compiler gets).
 
-Prints medians and the ratios off/plain, on/plain and eager/plain.
+Prints medians and each variant's ratio to plain.
 Usage: python benchmarks/bench_doctor.py [--workloads mlp,gpt] [--recipes fp32,fp16] [--reps 30]
        [--device cpu|cuda] [--threads N]
 """
@@ -42,8 +44,8 @@ def setup(workload_name: str, recipe: str, device: torch.device):
     mp = mixprec.MixedPrecision(model, w.make_optimizer(model.parameters()), recipe)
     idx = torch.arange(w.batch_size) % len(data.y_train)
     x, y = data.x_train[idx].to(device), data.y_train[idx].to(device)
-    collector = RangeCollector(mp, fused=True)
-    eager = RangeCollector(mp, fused=False)
+    collectors = {"on": RangeCollector(mp), "fused": RangeCollector(mp, fused=True),
+                  "eager": RangeCollector(mp, fused=False)}
 
     def step(context):
         with context:
@@ -60,10 +62,10 @@ def setup(workload_name: str, recipe: str, device: torch.device):
         def __exit__(self, *exc):
             return None
 
-    return {"plain": lambda: step(_Null()),
-            "off": lambda: step(collector.collecting(enabled=False)),
-            "on": lambda: step(collector.collecting()),
-            "eager": lambda: step(eager.collecting())}, collector
+    fns = {"plain": lambda: step(_Null()), "off": lambda: step(collectors["on"].collecting(enabled=False))}
+    for name, collector in collectors.items():
+        fns[name] = lambda collector=collector: step(collector.collecting())
+    return fns, collectors["on"]
 
 
 def interleave(fns: dict, reps: int, device: torch.device) -> dict[str, float]:
@@ -97,15 +99,15 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.reps} interleaved reps, medians")
-    print(f"{'workload':<9} {'recipe':<6} {'plain ms':>9} {'off ms':>8} {'on ms':>8} {'eager ms':>8} "
-          f"{'off/plain':>9} {'on/plain':>8} {'eager/plain':>11}")
+    names = ("plain", "off", "on", "fused", "eager")
+    print(f"{'workload':<9} {'recipe':<6} " + " ".join(f"{n + ' ms':>9}" for n in names) + " "
+          + " ".join(f"{n + '/plain':>11}" for n in names[1:]))
     for workload in args.workloads.split(","):
         for recipe in args.recipes.split(","):
             fns, collector = setup(workload, recipe, device)
             t = interleave(fns, args.reps, device)
-            print(f"{workload:<9} {recipe:<6} {1e3 * t['plain']:>9.2f} {1e3 * t['off']:>8.2f} "
-                  f"{1e3 * t['on']:>8.2f} {1e3 * t['eager']:>8.2f} {t['off'] / t['plain']:>8.2f}x "
-                  f"{t['on'] / t['plain']:>7.2f}x {t['eager'] / t['plain']:>10.2f}x", flush=True)
+            print(f"{workload:<9} {recipe:<6} " + " ".join(f"{1e3 * t[n]:>9.2f}" for n in names) + " "
+                  + " ".join(f"{t[n] / t['plain']:>10.2f}x" for n in names[1:]), flush=True)
             assert collector.result().steps == args.reps + 3   # "on" really collected every time
 
 

@@ -1,7 +1,9 @@
-"""The doctor's counting routes (range_bins) and the small-tensor batch (range_batch): the fused compiled
-route, the eager table route and the batch all give formats.classify's counts, value for value, on the
-values where it is easiest to be wrong. The compiled graphs are tiny (one elementwise kernel each)."""
+"""The doctor's counting routes and the small-tensor batch (range_batch): the CPU's C counter
+(range_native), the compiled kernel a GPU runs (range_bins, compiled here by Inductor's C++ backend), the
+eager table route and the batch all give formats.classify's counts, value for value, on the values where
+it is easiest to be wrong. The compiled graphs are tiny (one elementwise kernel each)."""
 
+import contextlib
 import math
 import warnings
 
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.diagnostics import range_batch, range_bins
+from mixprec.diagnostics import range_batch, range_bins, range_histogram, range_native
 from mixprec.diagnostics.range_batch import SmallTensorBatch
 from mixprec.diagnostics.range_bins import (N_BINS, RANGE_FORMATS, bin_tables, boundaries, count_piece,
                                             format_thresholds, fused_binning)
@@ -41,17 +43,40 @@ def _all_16bit(dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
 
 
-@pytest.fixture(autouse=True)
-def _fuse_every_piece(monkeypatch):
-    """The fused route for pieces of any size here, so that these small inputs test the compiled kernel."""
-    monkeypatch.setattr(range_bins, "_FUSED_MIN_CPU", 0)
+ROUTES = ["native", "compiled", "eager"]
 
 
-def _stats(x, scale=None, fused=True, pieces=1):
-    h = RangeHistogram("cpu", fused=fused)
-    for part in x.tensor_split(pieces):
-        h.add(part, scale)
+@contextlib.contextmanager
+def _route(route: str):
+    """Histograms count by ``route``: a CPU's own (native, the C counter), the compiled kernel that a GPU
+    runs (here through Inductor's C++), or eager torch ops."""
+    if route != "compiled":
+        yield route != "eager"
+        return
+    real = range_histogram.count_values
+    range_histogram.count_values = lambda x, scale, runs, fused: count_piece(x, scale, runs, fused)
+    try:
+        yield True
+    finally:
+        range_histogram.count_values = real
+
+
+def _count(x, scale=None, route="native", pieces=1):
+    with _route(route) as fused:
+        h = RangeHistogram("cpu", fused=fused)
+        for part in x.tensor_split(pieces):
+            h.add(part, scale)
     return h.result()
+
+
+def _stats(x, scale=None, route="native", pieces=1):
+    """:func:`_count`, checking that the route asked for is the one that counted."""
+    r = _count(x, scale, route, pieces)
+    if route == "native":                                        # the C counter was built and counted
+        assert range_native.native_counter() is not None
+    if route == "compiled":                                      # the compiled kernel counted them
+        assert fused_binning()[0].broken is None and fused_binning()[0]._compiled is not None
+    return r
 
 
 # --------------------------------------------------------------------------------- the bins
@@ -90,20 +115,18 @@ def test_fp16_ends_worked_out_by_hand_are_bins_apart():
 
 
 # ------------------------------------------------------------------------- fused against classify
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("scale", [None, 2.0**-16], ids=["unscaled", "scaled"])
-def test_fp32_counts_equal_classify_at_every_edge(fused, scale):
+def test_fp32_counts_equal_classify_at_every_edge(route, scale):
     x = _adversarial_f32()
     s = None if scale is None else torch.tensor(scale)
-    r = _stats(x, s, fused, pieces=3)
+    r = _stats(x, s, route, pieces=3)
     xs = x if scale is None else x * scale                       # what classify must see: x in true units
     for fmt in RANGE_FORMATS:
         assert r.formats[fmt.name] == classify(xs, fmt), fmt.name
     finite = xs[torch.isfinite(xs)].abs()
     assert r.amax == finite.max().item() and r.count == x.numel()
     assert r.formats["fp16"].subnormal > 0 and r.formats["bf16"].flush > 0   # the edges were hit
-    if fused:                                                    # and the compiled kernel counted them
-        assert fused_binning()[0].broken is None and fused_binning()[0]._compiled is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -113,75 +136,89 @@ def test_every_16_bit_pattern_is_counted_as_classify_counts_it(dtype, scale):
     # scale): fp16's subnormals land among fp32's normals, bf16's small values in fp32's subnormals.
     x = _all_16bit(dtype)
     s = None if scale is None else torch.tensor(scale)
-    fused, eager = _stats(x, s, True), _stats(x, s, False)
-    assert fused == eager
+    native, compiled, eager = (_stats(x, s, route) for route in ROUTES)
+    assert native == compiled == eager
     xs = x.float() if scale is None else x.float() * scale
     for fmt in RANGE_FORMATS:
-        assert fused.formats[fmt.name] == classify(xs, fmt), fmt.name
-    assert fused.nonfinite == int((~torch.isfinite(xs)).sum()) and fused.zeros == int((xs == 0).sum())
+        assert native.formats[fmt.name] == classify(xs, fmt), fmt.name
+    assert native.nonfinite == int((~torch.isfinite(xs)).sum()) and native.zeros == int((xs == 0).sum())
     # +-0; scaled bf16 adds its 254 subnormals and +-2**-126, whose products tie to fp32's zero or below.
-    assert fused.zeros == (258 if (dtype, scale) == (torch.bfloat16, 2.0**-24) else 2)
+    assert native.zeros == (258 if (dtype, scale) == (torch.bfloat16, 2.0**-24) else 2)
 
 
-@pytest.mark.parametrize("scale", [None, 2.0**-24], ids=["unscaled", "scaled"])
-def test_pairs_count_what_one_value_at_a_time_counts(monkeypatch, scale):
-    # The CPU's pair route (two values' bins in one code, N_BINS**2 codes) on every edge and every
-    # 16-bit pattern, in one piece so that each value's partner is a value far away in the tensor.
-    s = None if scale is None else torch.tensor(scale)
-    inputs = [_adversarial_f32(), _all_16bit(torch.float16), _all_16bit(torch.bfloat16)]
-    for x in inputs:
-        x = x[: x.numel() // 2 * 2]
-        single = _stats(x, s, True)
-        monkeypatch.setattr(range_bins, "_PAIRS_MIN_CPU", 2)
-        paired = _stats(x, s, True)
-        monkeypatch.setattr(range_bins, "_PAIRS_MIN_CPU", 1 << 17)
-        assert paired == single == _stats(x, s, False)
-        xs = x.float() if s is None else x.float() * s
-        for fmt in RANGE_FORMATS:
-            assert paired.formats[fmt.name] == classify(xs, fmt), fmt.name
-    pairs = range_bins._fused_pair_binning()
-    assert pairs.broken is None and pairs._compiled is not None     # the compiled kernel counted them
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+def test_native_runs_equal_eager_runs_for_every_input_dtype(dtype):
+    # Runs that end inside, at and just past the C counter's 256-value blocks and its 4-way unrolling,
+    # in a strided view (made contiguous first); fp8 and float64 go to fp32 first, as on every route.
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(6000, generator=g, dtype=torch.float64)
+         * torch.exp2(torch.randint(-40, 40, (6000,), generator=g).double()))
+    x[::97] = 0.0
+    x[5::101] = math.inf
+    x[7::103] = math.nan
+    x = x.to(dtype)[::2]
+    runs = (1, 3, 255, 256, 257, 1024, 1, 1203)
+    assert sum(runs) == x.numel() and not x.is_contiguous()
+    for scale in (None, torch.tensor(2.0**-20)):
+        counts, amax = range_native.count_native(x, scale, runs)
+        want_counts, want_amax = count_piece(x.contiguous(), scale, runs, fused=False)
+        assert torch.equal(counts, want_counts) and torch.equal(amax, want_amax)
+        assert counts.view(len(runs), N_BINS).sum(1).tolist() == list(runs)
 
 
-def test_only_even_single_runs_on_a_cpu_are_paired(monkeypatch):
-    monkeypatch.setattr(range_bins, "_PAIRS_MIN_CPU", 4)
-    x = torch.arange(8, dtype=torch.float32)
-    assert range_bins._pairs_pay(x, (8,))
-    assert not range_bins._pairs_pay(x[:7], (7,))          # odd: no partner for the last value
-    assert not range_bins._pairs_pay(x, (4, 4))            # two runs: codes would mix their rows
-    assert not range_bins._pairs_pay(x[:2], (2,))          # below the size where pairs pay
-    # An odd piece still counts right (the one-value kernel): 0 once, then 1 .. 6.
-    counts, amax = count_piece(x[:7], None, (7,), True)
-    assert counts.sum() == 7 and counts[0] == 1 and amax.item() == 6.0
+def test_without_a_c_compiler_the_histogram_warns_once_and_counts_eagerly(monkeypatch):
+    x = _adversarial_f32()
+    expected = _stats(x, route="eager")
+    for compiler, reason in [(lambda: None, "no C compiler found"), (lambda: "false", "false failed on range_count.c")]:
+        range_native.native_counter.cache_clear()
+        monkeypatch.setattr(range_native, "_compiler", compiler)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                first, second = RangeHistogram("cpu"), RangeHistogram("cpu")
+                first.add(x)
+                second.add(x)
+            notes = [w for w in caught if issubclass(w.category, FusionWarning)]
+            assert len(notes) == 1 and reason in str(notes[0].message), [str(n.message) for n in notes]
+            assert range_native.native_counter() is None
+            assert first.result() == second.result() == expected
+        finally:
+            range_native.native_counter.cache_clear()      # later tests build it again
+    monkeypatch.undo()
+    assert range_native.native_counter() is not None
 
 
-def test_segments_fused_equal_segments_eager_and_separate_adds():
+@pytest.mark.parametrize("route", ["native", "compiled"])
+def test_segments_fused_equal_segments_eager_and_separate_adds(route):
     x = _adversarial_f32()
     sizes = [3, 0, 1, 5000, 10_000, x.numel() - 15_004]
     for scale, keep in [(None, None), (torch.tensor(2.0**-10), torch.tensor(True)), (None, torch.tensor(False))]:
         fused = [RangeHistogram("cpu") for _ in sizes]
         eager = [RangeHistogram("cpu", fused=False) for _ in sizes]
-        RangeHistogram.add_segments(fused, x, sizes, scale, keep)
+        with _route(route):
+            RangeHistogram.add_segments(fused, x, sizes, scale, keep)
         RangeHistogram.add_segments(eager, x, sizes, scale, keep)
         for f, e, seg in zip(fused, eager, x.split(sizes)):
             alone = RangeHistogram("cpu", fused=False)
             alone.add(seg, scale, keep)
             assert f.result() == e.result() == alone.result()
-    assert fused_binning()[1].broken is None and fused_binning()[1]._compiled is not None
+    if route == "compiled":
+        assert fused_binning()[1].broken is None and fused_binning()[1]._compiled is not None
 
 
-def test_without_a_compiler_it_warns_once_and_counts_eagerly(monkeypatch):
+def test_without_torch_compile_the_kernel_warns_once_and_counts_eagerly(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")
     x = _adversarial_f32()
-    expected = _stats(x, fused=False)
+    expected = _stats(x, route="eager")
     fused_binning.cache_clear()                        # fresh FusedFunctions that will try to compile
     monkeypatch.setattr(torch, "compile", no_compiler)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            first = _stats(x)                          # fails to compile: runs the compares eagerly
-            second = _stats(x, pieces=2)               # broken: the eager table route from now on
+            first = _count(x, route="compiled")        # fails to compile: runs the compares eagerly
+            second = _count(x, None, "compiled", 2)    # broken: the eager table route from now on
         notes = [w for w in caught if issubclass(w.category, FusionWarning)]
         assert len(notes) == 1 and "no C++ compiler here" in str(notes[0].message)
         assert fused_binning()[0].broken == "RuntimeError: no C++ compiler here"

@@ -14,12 +14,10 @@ exponent field and bucket: counts per bin add up exactly to the exponent histogr
 
 **The fused route** (:func:`count_piece` with ``fused=True``): ``(bits >> 23)`` plus one compare per end
 (14), and the largest finite ``|x|`` in the same pass: one elementwise kernel under ``torch.compile``
-(C++ on a CPU, Triton on a GPU; :class:`~mixprec.fusion.FusedFunction`, compiled once per input dtype),
-then one ``bincount``. Where compiling fails it warns once and the eager route takes over. On a CPU,
-whose ``bincount`` is a serial loop of dependent increments, a large single run is counted in *pairs*:
-the kernel writes one code ``bin(x[i]) * N_BINS + bin(x[h + i])`` for the two halves of the piece, a
-``bincount`` over ``N_BINS**2`` codes makes half the increments, and the row and column sums of that
-table give each bin's count (every value is the first or the second of exactly one pair).
+(Triton on a GPU; :class:`~mixprec.fusion.FusedFunction`, compiled once per input dtype), then one
+count of the bins. Where compiling fails it warns once and the eager route takes over. A CPU counts
+with the same arithmetic in C instead (:mod:`.range_native`: Inductor's C++ build takes seconds and
+torch's ``bincount`` is a serial loop that scans its input twice first).
 
 **The eager route**: the ends that are not multiples of 4096 are all one above one (``P + 1``: "does not
 round to zero" is ``|x| > P`` at a tie that goes to the even zero), so one 2**19-entry table indexed by
@@ -57,15 +55,6 @@ _INF_BITS = 0x7F800000          # +inf; every pattern above it is a NaN
 _CHUNK_SHIFT = 12               # the eager table is indexed by |x|'s bits >> 12: 2**19 entries
 _LOW_MASK = (1 << _CHUNK_SHIFT) - 1
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # others go to fp32 first (exact for fp8)
-# On a CPU a compiled call costs ~60 us before its first value (guards, wrappers), the eager route
-# ~35 us, and per value ~1.4 ns against ~2.6 ns: they break even near 2**14-2**15 values (measured,
-# benchmarks/RESULTS.md). Smaller pieces take the eager route there; on CUDA the fused route always.
-_FUSED_MIN_CPU = 1 << 15
-# The CPU's bincount is a serial loop of dependent increments (~0.7 ns per value): counting pairs of
-# values, one code per pair in N_BINS**2 bins, halves the increments (and the bins the kernel writes)
-# for a fixed ~40 us of summing the pair table back into bins. Measured faster from 2**17 values
-# (1.16x there, 1.35x at 2**19; benchmarks/RESULTS.md).
-_PAIRS_MIN_CPU = 1 << 17
 
 
 def _first_bits(pred) -> int:
@@ -190,16 +179,6 @@ def _fused_runs(x: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, out
     out.add_(offsets)
 
 
-def _fused_pairs(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """One run of even length ``2h``: the bins of ``x[i]`` and ``x[h + i]`` as one pair code,
-    ``bin_i * N_BINS + bin_{h+i}``, into ``out`` (``h`` int32); returns the largest finite ``|x * scale|``."""
-    h = out.numel()
-    lo, lo_finite = _bins_and_finite(x[:h], scale)
-    hi, hi_finite = _bins_and_finite(x[h:], scale)
-    out.copy_(lo * N_BINS + hi)            # one loop over both halves: bins are never written alone
-    return torch.maximum(lo_finite, hi_finite).amax().view(torch.float32)
-
-
 @functools.cache
 def fused_binning() -> tuple[FusedFunction, FusedFunction]:
     """The compiled routes for one run and for several, made on first use (``broken`` says why not)."""
@@ -208,25 +187,17 @@ def fused_binning() -> tuple[FusedFunction, FusedFunction]:
     return FusedFunction(_fused_one, "range binning"), FusedFunction(_fused_runs, "range binning (runs)")
 
 
-@functools.cache
-def _fused_pair_binning() -> FusedFunction:
-    """The compiled pair route (CPU, one run of :data:`_PAIRS_MIN_CPU` or more values, even length)."""
-    fused_binning()             # sets _ENDS
-    return FusedFunction(_fused_pairs, "range binning (pairs)")
-
-
 def count_piece(x: torch.Tensor, scale: torch.Tensor | None, runs: tuple[int, ...],
                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Bin counts and largest finite ``|x * scale|`` of the consecutive runs of the 1-D ``x``. No sync.
 
-    Returns int64 counts, :data:`N_BINS` per run one after another, and fp32 amaxes, one per run. Both
-    routes give the same numbers; ``fused=False``, a fused route that failed to compile, and pieces
-    under 2**15 values on a CPU (where the compiled call costs more than it saves) are eager. On a CPU
-    one run of an even 2**17 or more values is counted in pairs (:func:`_fused_pairs`).
+    Returns int64 counts, :data:`N_BINS` per run one after another, and fp32 amaxes, one per run (runs
+    are not empty). Both routes give the same numbers; ``fused=False`` and a fused route that failed to
+    compile are eager. (On a CPU the histogram counts with :mod:`.range_native` instead; this compiled
+    route is what a GPU runs, and what the CPU tests compile to check it.)
     """
     one, many = fused_binning()
-    worth_it = x.device.type == "cuda" or (x.device.type == "cpu" and x.numel() >= _FUSED_MIN_CPU)
-    if fused and worth_it and one.broken is None and many.broken is None:
+    if fused and one.broken is None and many.broken is None:
         if x.dtype not in _FUSED_DTYPES:
             x = x.float()                        # exact for fp8; float64 rounds, as the eager route does
         s = _one(x.device) if scale is None else scale.float()    # x * 1 is x, subnormals included
@@ -234,10 +205,6 @@ def count_piece(x: torch.Tensor, scale: torch.Tensor | None, runs: tuple[int, ..
         finite = finite.view(torch.int32)
         # Fixed grad and autocast modes: one compiled graph whether called in forward, backward or step.
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            if _pairs_pay(x, runs):    # (a failed compile still returns the codes, eagerly made)
-                codes = index[:x.numel() // 2]
-                amax = _fused_pair_binning()(x, s, codes).view(1)
-                return _pair_bincount(codes), amax
             if len(runs) == 1:
                 amax = one(x, s, index).view(1)
             else:
@@ -250,18 +217,6 @@ def count_piece(x: torch.Tensor, scale: torch.Tensor | None, runs: tuple[int, ..
         mag.nan_to_num_(nan=0.0, posinf=0.0)     # the largest *finite* |x|
         amax = mag.amax().view(1) if len(runs) == 1 else torch.stack(torch._foreach_max(mag.split(runs)))
     return _bincount(index, len(runs) * N_BINS), amax
-
-
-def _pairs_pay(x: torch.Tensor, runs: tuple[int, ...]) -> bool:
-    """Whether the pair route is the faster one: a CPU, one run, an even number of values, enough of them."""
-    return (x.device.type == "cpu" and len(runs) == 1 and x.numel() % 2 == 0
-            and x.numel() >= _PAIRS_MIN_CPU and _fused_pair_binning().broken is None)
-
-
-def _pair_bincount(codes: torch.Tensor) -> torch.Tensor:
-    """Bin counts from pair codes ``a * N_BINS + b``: each code counts once for bin ``a`` and once for ``b``."""
-    pairs = torch.bincount(codes, minlength=N_BINS * N_BINS).view(N_BINS, N_BINS)
-    return pairs.sum(1).add_(pairs.sum(0))
 
 
 def _eager_bins(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,11 +130,10 @@ class RangeCollector:
     ``every=k`` samples: of the blocks opened with ``collecting()``, the 1st, (k+1)th, ... are counted
     and the others run as with ``enabled=False`` (nothing installed), dividing the average cost by
     about k; ``steps`` in the result counts the sampled steps only. ``fused`` picks how values are counted (the
-    same numbers either way; see :mod:`.range_bins`): ``True`` compiles the counting into one kernel per
-    piece, ``False`` runs eager torch ops. ``None`` (the default) compiles on a GPU only: on a CPU the
-    compiled route saves about a fifth of the collection's cost per step (gpt) but its first step
-    compiles for 7-18 s, longer than the doctor's 20 steps take; on a GPU it turns ~10 kernels per
-    piece into one.
+    same numbers either way; see :mod:`.range_bins`). ``None`` (the default): one pass per value by a
+    compiled counter, Triton on a GPU and C on a CPU (:mod:`.range_native`, built in under a second);
+    the lost-update test is compiled on a GPU only, because on a CPU its Inductor build takes 7-18 s,
+    longer than the doctor's 20 steps. ``True`` compiles that too; ``False`` runs eager torch ops only.
     """
 
     def __init__(self, engine: Any, modules: Sequence[str] | None = None, every: int = 1,
@@ -143,7 +142,8 @@ class RangeCollector:
             raise ValueError(f"every must be a positive int (count every k-th step; 1 counts all), "
                              f"got {every!r}")
         self.every = every
-        self.fused = engine.device.type == "cuda" if fused is None else fused
+        self.fused = True if fused is None else fused       # how the histograms count
+        self.fused_lost = engine.device.type == "cuda" if fused is None else fused
         self._opened = 0     # blocks opened with enabled=True, sampled or not
         self.engine = engine
         model: nn.Module = engine.model
@@ -266,7 +266,7 @@ class RangeCollector:
             stop = start + sum(group)
             # On a CPU Inductor's C++ for these 16-bit patterns is a scalar loop: about as fast as the
             # eager passes at 110k weights (~1 ms), faster below, where eager is ~40 ops of overhead.
-            masks = [m.split(group) for m in lost_masks(w_before[start:stop], update[start:stop], self.fused)]
+            masks = [m.split(group) for m in lost_masks(w_before[start:stop], update[start:stop], self.fused_lost)]
             lost += [torch.count_nonzero(m[j]) for j in range(len(group)) for m in masks]
             start, group = stop, []
         step_counts = torch.stack(lost).view(len(names), len(UPDATE_FORMATS)) * keep.to(torch.int64)

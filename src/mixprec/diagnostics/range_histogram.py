@@ -16,8 +16,9 @@ read as an int32 once. Its exponent field is the histogram bin. Each format's bu
 ``formats.quantize`` itself, so "rounds to zero", "rounds below min_normal" and "rounds above max"
 (ties to even included) mean here exactly what they mean there. Each value lands in one of 270 bins,
 each inside one binade and one bucket of every format (:mod:`.range_bins`: the exponent field plus
-one compare per end, fused into one compiled kernel, or an eager table lookup where nothing
-compiles); one ``bincount`` of the bins gives the exponent histogram and all the format counts.
+one compare per end, in one compiled kernel on a GPU and in C on a CPU (:mod:`.range_native`), or an
+eager table lookup where nothing compiles); the count per bin gives the exponent histogram and all
+the format counts.
 :meth:`RangeHistogram.add_segments` counts many small tensors with the kernels of one. Everything
 stays on the device until :meth:`RangeHistogram.result` reads it back (one host sync).
 
@@ -40,6 +41,7 @@ import torch
 
 from ..formats import RangeCounts
 from .range_bins import N_BINS, RANGE_FORMATS, bin_tables, boundaries, count_piece, format_thresholds
+from .range_native import count_native, native_counter
 
 __all__ = ["RANGE_FORMATS", "EXP_MIN", "EXP_MAX", "RangeHistogram", "TensorStats", "format_thresholds"]
 
@@ -93,11 +95,26 @@ class TensorStats:
                            exponents=tuple(sorted(exps.items())), formats=formats)
 
 
+def count_values(x: torch.Tensor, scale: torch.Tensor | None, runs: tuple[int, ...],
+                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~.range_bins.count_piece`'s counts and amaxes, by the device's route.
+
+    ``fused`` on a CPU: ``range_count.c`` (:mod:`.range_native`), or the eager route where it cannot be
+    built; on other devices the compiled kernel. ``fused=False``: eager torch ops.
+    """
+    if fused and x.device.type == "cpu":
+        if native_counter() is not None:
+            return count_native(x, scale, runs)
+        fused = False
+    return count_piece(x, scale, runs, fused)
+
+
 class RangeHistogram:
     """Accumulates exact range statistics of every tensor passed to :meth:`add`, on ``device``.
 
     ``add`` launches a handful of kernels and never syncs with the host; ``result`` syncs once.
-    ``fused=False`` counts with eager torch ops only (the same numbers; see :mod:`.range_bins`).
+    ``fused=False`` counts with eager torch ops only; ``True`` with the device's one-pass counter (the
+    same numbers; see :func:`count_values`).
     """
 
     def __init__(self, device: torch.device | str, fused: bool = True) -> None:
@@ -121,7 +138,7 @@ class RangeHistogram:
         # Pieces of 2**19 values: see add_segments.
         for start in range(0, x.numel(), _PIECE):
             piece = x[start:start + _PIECE]
-            counts, finite_max = count_piece(piece, scale, (piece.numel(),), self.fused)
+            counts, finite_max = count_values(piece, scale, (piece.numel(),), self.fused)
             self._bins += counts if weight is None else counts * weight
             if keep is not None:
                 finite_max = torch.where(keep, finite_max, 0.0)
@@ -173,7 +190,7 @@ class RangeHistogram:
                 last += 1
             runs = tuple(min(ends[i], stop) - max(ends[i - 1] if i else 0, start)
                          for i in range(first, last + 1))
-            counts, finite_max = count_piece(flat[start:stop], scale, runs, fused)
+            counts, finite_max = count_values(flat[start:stop], scale, runs, fused)
             bins[first * N_BINS:(last + 1) * N_BINS] += counts if weight is None else counts * weight
             if keep is not None:
                 finite_max = torch.where(keep, finite_max, 0.0)
