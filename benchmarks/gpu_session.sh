@@ -56,7 +56,9 @@ case "${1:-}" in
     run bench-convnet-layout "$PY" benchmarks/bench_convnet_layout.py --device cuda --batch 128 ;;
   doctor)   # issue 12: goal on/plain <= 1.5x for gpt; the eager column is the route without torch.compile
     run doctor-tests "$PY" -m pytest -q -rs tests/gpu/test_doctor_cuda.py
-    run bench-doctor "$PY" benchmarks/bench_doctor.py --device cuda ;;
+    run bench-doctor "$PY" benchmarks/bench_doctor.py --device cuda
+    # session 6: per piece, the compiled kernel + index_add_ against eager ops (no C counter on a GPU)
+    run bench-range-count "$PY" benchmarks/bench_range_count.py --device cuda --sizes 32768,524288 ;;
   e2e)   # issue 11 (~10 min): each bench_e2e run holds its own baseline, so its ratios are side by side
     run compile-tests "$PY" -m pytest -q -rs tests/gpu/test_compile_cuda.py
     run bench-fp8-fused "$PY" benchmarks/bench_fp8.py --device cuda --sizes 4096,8192
@@ -70,5 +72,5 @@ case "${1:-}" in
     run e2e-recipes "$PY" benchmarks/bench_e2e.py --device cuda --modes eager,compiled --steps 10 \
         --variants amp-bf16,fp16,fp16-pure,bf16-pure,bf16-sr,tf32 ;;
   *)
-    echo "usage: $0 tests|kernels|lab|e2e|e2e-fp8|e2e-recipes" >&2; exit 2 ;;
+    echo "usage: $0 tests|kernels|lab|doctor|e2e|e2e-fp8|e2e-recipes" >&2; exit 2 ;;
 esac
