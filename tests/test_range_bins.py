@@ -167,6 +167,19 @@ def test_native_runs_equal_eager_runs_for_every_input_dtype(dtype):
         assert counts.view(len(runs), N_BINS).sum(1).tolist() == list(runs)
 
 
+def test_the_baseline_build_counts_what_the_vectorised_one_counts():
+    # On x86-64 the loader runs the widest clone the CPU has (AVX-512 here): build the baseline alone,
+    # as a libc without ifunc gets it, and count every edge and every 16-bit pattern with both.
+    baseline, why_not = range_native._build(("-DMIXPREC_NO_CLONES",))
+    assert baseline is not None, why_not
+    for x in (_adversarial_f32(), _all_16bit(torch.float16), _all_16bit(torch.bfloat16)):
+        for scale in (None, torch.tensor(2.0**-24)):
+            runs = (x.numel() - 1000, 1000)
+            got = range_native.count_native(x, scale, runs, baseline)
+            want = range_native.count_native(x, scale, runs)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_without_a_c_compiler_the_histogram_warns_once_and_counts_eagerly(monkeypatch):
     x = _adversarial_f32()
     expected = _stats(x, route="eager")

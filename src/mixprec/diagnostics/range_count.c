@@ -53,7 +53,7 @@ static inline void load_block(const void *x, int dtype, int64_t at, int64_t m, f
 
 /* Counts and largest finite |x * scale| of each of the n_runs consecutive runs of x. counts: n_runs rows
  * of N_BINS (written, not added to); amax: n_runs fp32 bit patterns (0 where a run has nothing finite). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MIXPREC_NO_CLONES)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 void mixprec_count_runs(const void *x, int32_t dtype, float scale, const int64_t *runs, int64_t n_runs,

@@ -7,7 +7,8 @@ each value must be written by one kernel and read back by the next. ``range_coun
 same pass over each block of 256 values, which stay in the L1 cache between the two: 0.9-1.1 ns per
 value on one core in isolation and 1.07 ns inside the doctor's gpt step, against 2.0 ns there for
 the compiled kernel plus ``bincount`` and 3.0 ns for eager ops (benchmarks/RESULTS.md). On x86-64
-gcc builds it for AVX-512, AVX2 and the baseline at once and the loader picks what the CPU has.
+gcc builds it for AVX-512, AVX2 and the baseline at once and the loader picks what the CPU has (where
+the C library cannot pick, as musl's, it is built once more for the baseline alone).
 
 Why not a C++ extension of torch: building against torch's headers takes most of a minute, and
 Inductor's C++ build of the compiled kernel takes seconds. This file includes only ``<stdint.h>``
@@ -53,6 +54,8 @@ def _compiler() -> str | None:
 def native_counter() -> ctypes._CFuncPtr | None:
     """``mixprec_count_runs`` from a fresh build of ``range_count.c``; ``None``, said once, where it fails."""
     fn, why_not = _build()
+    if fn is None:      # e.g. a libc without ifunc, which the x86 clones need: one plain build more
+        fn, _ = _build(("-DMIXPREC_NO_CLONES",))
     if fn is None:
         warnings.warn(f"mixprec could not build its range counter here ({why_not}); the doctor counts with "
                       "eager torch ops instead (the same numbers, about twice the time). Set CC to a "
@@ -60,8 +63,8 @@ def native_counter() -> ctypes._CFuncPtr | None:
     return fn
 
 
-def _build() -> tuple[ctypes._CFuncPtr | None, str]:
-    """The loaded function, or ``None`` and why not."""
+def _build(extra: tuple[str, ...] = ()) -> tuple[ctypes._CFuncPtr | None, str]:
+    """The loaded function built with the ``extra`` compiler flags, or ``None`` and why not."""
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found: $CC, cc, gcc or clang"
@@ -73,7 +76,7 @@ def _build() -> tuple[ctypes._CFuncPtr | None, str]:
         with open(src, "w") as f:
             f.write(source)
         try:
-            done = subprocess.run([cc, *_FLAGS, *defines, "-o", lib, src], capture_output=True, text=True,
+            done = subprocess.run([cc, *_FLAGS, *defines, *extra, "-o", lib, src], capture_output=True, text=True,
                                   timeout=_BUILD_SECONDS)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return None, f"{cc} did not run: {exc}"
@@ -90,14 +93,15 @@ def _build() -> tuple[ctypes._CFuncPtr | None, str]:
     return fn, ""
 
 
-def count_native(x: torch.Tensor, scale: torch.Tensor | None,
-                 runs: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def count_native(x: torch.Tensor, scale: torch.Tensor | None, runs: tuple[int, ...],
+                 fn: ctypes._CFuncPtr | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~.range_bins.count_piece` by ``range_count.c``: ``x`` a 1-D CPU tensor, ``scale`` a () one.
 
     Any float dtype (others than fp32, fp16 and bf16 go to fp32 first, as the other routes do); runs
-    are not empty. The caller checks that :func:`native_counter` is not ``None`` first.
+    are not empty. The caller checks that :func:`native_counter` is not ``None`` first (``fn``: another
+    build of the counter, for the tests).
     """
-    fn = native_counter()
+    fn = fn or native_counter()
     if x.dtype not in _DTYPES:
         x = x.float()
     x = x.contiguous()
