@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,47 +50,13 @@ from .recipe import Precision, Recipe, get_recipe
 from .usage_checks import UsageChecks
 from .recipe.moments import Moments
 from .saved16 import Saved, SavedPacker
+from .step_result import StepObserver, StepResult
 
 __all__ = ["MixedPrecision", "StepResult", "StepObserver", "Fp8EmulationWarning"]
 
 
-class StepObserver(Protocol):
-    """What ``MixedPrecision.add_step_observer`` calls in every step (e.g. the doctor's RangeCollector)."""
-
-    def before_step(self, engine: MixedPrecision) -> None:
-        """Gradients gathered (fp32 copies filled) and still multiplied by ``engine.loss_scale.value``."""
-
-    def after_step(self, engine: MixedPrecision, found_inf: torch.Tensor) -> None:
-        """The optimizer stepped or skipped (``found_inf``, a () bool tensor, says which); fp32 copies
-        are not yet rounded into the model."""
-
-
 class Fp8EmulationWarning(UserWarning):
     """An fp8 recipe runs emulated (exact fp8 rounding, fp32 matmuls) on a device without fp8 matmuls."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What one ``step()`` did. Fields are device tensors; the properties read them (each a host sync)."""
-
-    skipped_t: torch.Tensor     # () bool: the step was skipped (non-finite gradients)
-    scale_t: torch.Tensor       # () float32: the loss scale after this step's update
-    grad_norm_t: torch.Tensor   # () float32: global L2 norm of the unscaled gradients, before clipping
-
-    @property
-    def skipped(self) -> bool:
-        return bool(self.skipped_t)
-
-    @property
-    def scale(self) -> float:
-        return float(self.scale_t)
-
-    @property
-    def grad_norm(self) -> float:
-        return float(self.grad_norm_t)
-
-    def __repr__(self) -> str:
-        return f"StepResult(skipped={self.skipped}, scale={self.scale:g}, grad_norm={self.grad_norm:.6g})"
 
 
 class MixedPrecision:
