@@ -316,6 +316,27 @@ def test_collector_routes_and_batch_give_the_same_counts():
     assert fused.module("2").stats["activations"].zeros > 0
 
 
+def test_the_c_counter_counts_a_compiled_model_as_an_eager_one():
+    # Dynamo traces the collector's hooks with the model: the C counter must meet real tensors (a
+    # graph break), never fake ones, and count what the same steps count uncompiled.
+    def run(compile_model):
+        torch.manual_seed(0)
+        model = tiny_model()
+        forward = torch.compile(model, backend="aot_eager") if compile_model else model
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16")
+        collector = RangeCollector(mp)
+        for x, y in batches(2):
+            with collector.collecting():
+                with mp.autocast():
+                    loss = F.cross_entropy(forward(x), y)
+                mp.backward(loss)
+                mp.step()
+            mp.zero_grad()
+        return collector.result()
+    compiled, eager = run(True), run(False)
+    assert compiled == eager and compiled.module("0").stats["activations"].count == 2 * 32 * 16
+
+
 def test_fused_lost_update_masks_equal_update_lost():
     # Weights at fp16/bf16 edges (zero, subnormals, powers of two, max, past max, inf, NaN); updates of
     # every size around their half-gaps: w * 2**-k, both signs, and one fp32 ulp either side (ties).
