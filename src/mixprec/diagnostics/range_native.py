@@ -58,7 +58,7 @@ def native_counter() -> ctypes._CFuncPtr | None:
         fn, _ = _build(("-DMIXPREC_NO_CLONES",))
     if fn is None:
         warnings.warn(f"mixprec could not build its range counter here ({why_not}); the doctor counts with "
-                      "eager torch ops instead (the same numbers, about twice the time). Set CC to a "
+                      "eager torch ops instead (the same numbers, counted about 3x slower). Set CC to a "
                       "working C compiler to get it.", FusionWarning, stacklevel=3)
     return fn
 
