@@ -1,7 +1,7 @@
 /* mixprec's range counter for CPUs: the bins of range_bins.py in one pass over the values.
  *
- * Built at first use by range_native.py with the system's C compiler (about 0.2 s) and called through
- * ctypes; MIXPREC_ENDS and MIXPREC_N_ENDS are given on the compiler's command line (range_bins's ends).
+ * Built at first use by range_native.py with the system's C compiler (under half a second) and called
+ * through ctypes; MIXPREC_ENDS and MIXPREC_N_ENDS are given on the compiler's command line (range_bins's ends).
  * For each run of consecutive values it writes the count of every bin and the largest finite
  * |x * scale| as an fp32 bit pattern: the numbers range_bins.count_piece returns, by the same fp32
  * arithmetic (one IEEE multiply, then the bit pattern; built without -ffast-math, so subnormals stay).
@@ -28,7 +28,7 @@ static inline uint32_t bits_of(float v) { uint32_t u; memcpy(&u, &v, 4); return 
 static inline float float_of(uint32_t u) { float v; memcpy(&v, &u, 4); return v; }
 
 /* |x[i] * scale| as fp32 bit patterns, for one block. fp16 and bf16 widen exactly first, in integers (no
- * float arithmetic on subnormals, so a flush-to-zero mode cannot change them): bf16 is the top half of an
+ * float arithmetic on a subnormal input, which a flush-to-zero mode could change): bf16 is the top half of an
  * fp32; an fp16 normal is its bits moved up 13 places with the exponent bias raised by 112, a subnormal
  * is its significand times 2**-24 (an fp32 normal), and all-ones exponents stay inf and NaN. */
 static inline void load_block(const void *x, int dtype, int64_t at, int64_t m, float scale, uint32_t *bits) {
@@ -45,7 +45,8 @@ static inline void load_block(const void *x, int dtype, int64_t at, int64_t m, f
             uint32_t normal = (h << 13) + (112u << 23), special = INF_BITS | (h & 0x3ffu) << 13;
             uint32_t subnormal = bits_of((float)(int32_t)(h & 0x3ffu) * 0x1p-24f);   /* all three: no branch */
             uint32_t is_special = 0u - (exponent == 31), is_subnormal = 0u - (exponent == 0);
-            uint32_t wide = (special & is_special) | (subnormal & is_subnormal) | (normal & ~(is_special | is_subnormal));
+            uint32_t wide = (special & is_special) | (subnormal & is_subnormal)
+                          | (normal & ~(is_special | is_subnormal));
             bits[i] = bits_of(float_of(wide) * scale) & ABS_MASK;
         }
     }
