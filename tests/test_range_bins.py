@@ -294,21 +294,28 @@ def test_a_full_batch_is_counted_and_reused(monkeypatch):
     assert h.result().count == 200 + big.numel() and h.result().amax == 5.0
 
 
+def _collect_two_fp16_steps(model, forward=None, fused=None):
+    """What ``RangeCollector(mp, fused=fused)`` counts over two fp16 steps (loss scale 2**16 on the
+    gradients) of ``model``, called through ``forward`` (the model itself by default)."""
+    forward = forward or model
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16")
+    collector = RangeCollector(mp, fused=fused)
+    for x, y in batches(2):
+        with collector.collecting():
+            with mp.autocast():
+                loss = F.cross_entropy(forward(x), y)
+            mp.backward(loss)
+            mp.step()
+        mp.zero_grad()
+    return collector.result()
+
+
 def test_collector_routes_and_batch_give_the_same_counts():
-    # Two identical fp16 runs (loss scale 2**16 on the gradients), one counted eagerly, one fused.
+    # Two identical runs, one counted eagerly, one fused.
     def run(fused):
         model = tiny_model()
         model[2] = nn.ReLU(inplace=True)               # rewrites the LayerNorm's output after its hook
-        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16")
-        collector = RangeCollector(mp, fused=fused)
-        for x, y in batches(2):
-            with collector.collecting():
-                with mp.autocast():
-                    loss = F.cross_entropy(model(x), y)
-                mp.backward(loss)
-                mp.step()
-            mp.zero_grad()
-        return collector.result()
+        return _collect_two_fp16_steps(model, fused=fused)
     fused, eager = run(True), run(False)
     assert fused == eager
     norm = fused.module("1").stats["activations"]
@@ -319,21 +326,9 @@ def test_collector_routes_and_batch_give_the_same_counts():
 def test_the_c_counter_counts_a_compiled_model_as_an_eager_one():
     # Dynamo traces the collector's hooks with the model: the C counter must meet real tensors (a
     # graph break), never fake ones, and count what the same steps count uncompiled.
-    def run(compile_model):
-        torch.manual_seed(0)
-        model = tiny_model()
-        forward = torch.compile(model, backend="aot_eager") if compile_model else model
-        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16")
-        collector = RangeCollector(mp)
-        for x, y in batches(2):
-            with collector.collecting():
-                with mp.autocast():
-                    loss = F.cross_entropy(forward(x), y)
-                mp.backward(loss)
-                mp.step()
-            mp.zero_grad()
-        return collector.result()
-    compiled, eager = run(True), run(False)
+    eager_model, compiled_model = tiny_model(), tiny_model()
+    eager = _collect_two_fp16_steps(eager_model)
+    compiled = _collect_two_fp16_steps(compiled_model, torch.compile(compiled_model, backend="aot_eager"))
     assert compiled == eager and compiled.module("0").stats["activations"].count == 2 * 32 * 16
 
 
