@@ -163,7 +163,7 @@ def test_zero_inf_or_nan_input_never_poisons_the_scales(config, poison):
 
 
 def test_fp8_trains_the_mlp_within_tolerance_of_bf16():
-    # A short run of the lab's mlp (the 300-step figure; the full 500-step tolerances are in README).
+    # A short run of the lab's mlp (the 300-step figure; the full 500-step tolerances are in docs/fp8.md).
     results = {r: train(get_workload("mlp"), r, steps=300, seed=0) for r in ("bf16", "fp8", "fp8-delayed")}
     for r in ("fp8", "fp8-delayed"):
         assert abs(results[r].test_metric - results["bf16"].test_metric) <= 0.02, results[r].test_metric

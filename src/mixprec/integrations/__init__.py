@@ -8,5 +8,5 @@
   per-layer range fractions to TensorBoard's ``SummaryWriter`` or any logger (no extra needed).
 
 This package imports none of them: ``import mixprec`` never imports transformers or lightning.
-Accelerate needs no integration: build the engine on the prepared model and optimizer (README).
+Accelerate needs no integration: build the engine on the prepared model and optimizer (docs/integrations.md).
 """

@@ -2,7 +2,7 @@
 
 ``mixprec compare --workload my_workloads:tiny`` imports ``my_workloads`` (the current directory comes
 first on the path, as with ``python -m``), calls ``tiny()`` with no arguments, and accepts either a
-``Workload`` or a dict; see ``tests/user_workload_example.py`` and the README. A model may return a
+``Workload`` or a dict; see ``tests/user_workload_example.py`` and docs/compare.md. A model may return a
 tensor or, as Hugging Face models do, a dict/dataclass with ``logits``: the loss and the metric then
 get the logits. Every way a function can break the protocol is a ValueError/TypeError that names the
 function and what to return instead.

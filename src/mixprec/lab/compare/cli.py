@@ -77,7 +77,7 @@ def handle(args: argparse.Namespace) -> int:
         fp8 = [r.label for r in plan.recipes if r.fp8 is not None]
         if plan.nproc > 1 and fp8:
             print(f"mixprec: note: {', '.join(fp8)} under --nproc {plan.nproc} is untested: fp8 recipes "
-                  "are not yet covered under DDP or FSDP2 (README, Distributed)", file=sys.stderr)
+                  "are not yet covered under DDP or FSDP2 (docs/distributed.md)", file=sys.stderr)
         check_outputs(args.json, args.out, ("report.json", "report.html"))
     with threads:
         report = _run_with_progress(plan, Console(stderr=True))
