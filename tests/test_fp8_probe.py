@@ -143,3 +143,16 @@ def test_nothing_is_timed_where_scaled_mm_cannot_run(monkeypatch, fresh_probes):
     import mixprec.devices as devices
     monkeypatch.setattr(devices, "probe_scaled_mm", lambda device: devices.Support(False, "no fp8 here"))
     assert probe_fp8_speed("cpu") is None and _time_fp8.cache_info().currsize == 0
+
+
+@needs_scaled_mm
+def test_the_speed_probe_leaves_the_rng_threads_and_autocast_as_they_were(fresh_probes):
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    threads = torch.get_num_threads()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        speed = probe_fp8_speed("cpu")
+        assert torch.is_autocast_enabled("cpu")
+    assert torch.equal(torch.rand(3), want)        # the model's initialisation after it is unchanged
+    assert torch.get_num_threads() == threads and speed.emulate_s > 0

@@ -125,7 +125,9 @@ def _time_fp8(device: str) -> Fp8Speed:
     one = torch.ones((), device=dev)
 
     def emulate() -> torch.Tensor:     # what fp8/matmul.py's emulated_mm does, from fp8 values
-        return (torch.mm(a.float(), b.float()) * one * one).to(torch.bfloat16)
+        # Autocast off: asked inside a user's autocast region, this fp32 mm would run in bf16.
+        with torch.autocast(dev.type, enabled=False):
+            return (torch.mm(a.float(), b.float()) * one * one).to(torch.bfloat16)
 
     def scaled() -> torch.Tensor:
         return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)

@@ -87,7 +87,9 @@ class MixedPrecisionPlugin(Precision):
                 self.engine.load_state_dict(self._pending_state)
                 self._pending_state = None
         elif optimizer is not self.engine.optimizer:
-            raise ValueError("MixedPrecisionPlugin drives one optimizer; configure_optimizers returned several")
+            raise ValueError("MixedPrecisionPlugin drives one optimizer, and its engine was built on another "
+                             "(configure_optimizers returned several, or a second fit made a new one): "
+                             "give each Trainer a new MixedPrecisionPlugin")
         return self.engine
 
     # ------------------------------------------------------------------------------ forward
