@@ -116,8 +116,8 @@ class Fp8SwapReport:
         width = max([len("layer")] + [len(d.name) for d in self.layers] + [len(u.name) for u in self.uncovered])
         share = f" ({self.fp8_fraction:.0%} of the parameters)" if self.parameters else ""
         lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} linear layers swapped{share}, backend "
-                 f"{self.backend}" + (f" ({self.note})" if self.note else ""),
-                 f"  {'layer':<{width}}  {'weight (out, in)':>16}  decision"]
+                 f"{self.backend}"] + ([f"  {self.note}"] if self.note else []) + \
+                [f"  {'layer':<{width}}  {'weight (out, in)':>16}  decision"]
         for d in self.layers:
             shape = f"({d.out_features}, {d.in_features})"
             why = d.reason.value + (f": {d.detail}" if d.detail else "")
@@ -125,7 +125,8 @@ class Fp8SwapReport:
         if self.uncovered:
             share = f" ({sum(u.numel for u in self.uncovered) / self.parameters:.0%} of the parameters)" \
                 if self.parameters else ""
-            lines.append(f"  not covered: {len(self.uncovered)} weights outside linear layers{share}")
+            n = len(self.uncovered)
+            lines.append(f"  not covered: {n} weight{'s' if n > 1 else ''} outside linear layers{share}")
             for u in self.uncovered:
                 lines.append(f"  {u.name:<{width}}  {str(u.shape):>16}  {u.reason}")
         return "\n".join(lines)

@@ -39,8 +39,9 @@ def fp8_swap_lines(swap: Fp8SwapReport | None) -> list[str]:
         return []
     share = f", {swap.fp8_fraction:.0%} of the parameters" if swap.parameters else ""
     lines = [f"fp8: {len(swap.swapped)} of {len(swap.layers)} linear layers swapped "
-             f"({', '.join(repr(n) for n in swap.swapped) or 'none'}{share}), backend {swap.backend}"
-             + (f" ({swap.note})" if swap.note else "")]
+             f"({', '.join(repr(n) for n in swap.swapped) or 'none'}{share}), backend {swap.backend}"]
+    if swap.note:
+        lines.append(f"  {swap.note}")       # how the backend was chosen
     for d in swap.layers:
         if not d.swapped:
             lines.append(f"  not fp8: {d.name!r} ({d.out_features}, {d.in_features}): {d.reason.value}"
