@@ -49,8 +49,8 @@ def _loader(batches=STEPS):
 
 def _fit(plugin, tmp_path, steps=STEPS, ckpt_path=None, batches=STEPS, accumulate=1):
     trainer = L.Trainer(max_steps=steps, plugins=[plugin], gradient_clip_val=1.0, accelerator="cpu",
-                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path))
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     module = Module()
     trainer.fit(module, _loader(batches), ckpt_path=ckpt_path)
     return trainer, module

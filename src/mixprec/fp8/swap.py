@@ -143,7 +143,7 @@ def resolve_backend(config: Fp8Config, device: torch.device | str) -> tuple[str,
     """``(backend, note)`` for ``device``: ``auto`` picks the faster of scaled_mm and the emulation.
 
     ``auto``: the emulation where ``torch._scaled_mm`` cannot run; on a CPU where it runs, whichever
-    a measured probe finds faster (``devices.probe_fp8_speed``: a few microseconds, once per process);
+    a measured probe finds faster (``devices.probe_fp8_speed``: under a millisecond, once per process);
     on CUDA (8.9+) scaled_mm. ``backend=scaled_mm`` or ``backend=emulate`` overrides the choice;
     ``scaled_mm`` on a device that cannot run it is a ValueError with the reason. The note names the
     choice and why; the engine shows it once, as an ``Fp8EmulationWarning``, when the emulation runs.
