@@ -156,3 +156,17 @@ def test_clipping_by_value_is_refused(tmp_path):
                         default_root_dir=str(tmp_path))
     with pytest.raises(ValueError, match="norm"):
         trainer.fit(Module(), _loader())
+
+
+def test_validation_alone_builds_no_engine_and_runs_in_the_recipes_autocast(tmp_path):
+    dtypes = []
+
+    class Validated(Module):
+        def validation_step(self, batch, _):
+            dtypes.append(self.net(batch[0]).dtype)
+
+    plugin = MixedPrecisionPlugin("bf16")
+    trainer = L.Trainer(plugins=[plugin], accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.validate(Validated(), _loader(2))
+    assert plugin.engine is None and dtypes == [torch.bfloat16, torch.bfloat16]
