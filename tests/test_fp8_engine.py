@@ -204,3 +204,70 @@ def test_cli_compares_fp8_recipes_and_refuses_bad_ones_in_one_line(capsys):
     assert main(["compare", "--recipes", "compute=bf16,fp8=delayed(amax=mean)"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["mixprec: error: unknown fp8 amax 'mean'; valid values: max, recent"]
+
+
+class _Experts(nn.Module):
+    """A mixture of experts' weights as one 3-D tensor, multiplied in its own forward (Mixtral's layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 32, 32) / 6)     # (experts, out, in)
+
+    def forward(self, x, expert):                            # x (B, 32), expert (B,)
+        return torch.einsum("boi,bi->bo", self.w[expert], x)
+
+
+class _Moe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 32)
+        self.conv = nn.Conv1d(32, 32, 1)
+        self.router = nn.Parameter(torch.randn(4, 32) / 6)    # (experts, in): F.linear in forward
+        self.experts = _Experts()
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, ids):                                  # (B,)
+        x = self.conv(self.embed(ids)[:, :, None])[:, :, 0]
+        expert = F.linear(x, self.router).argmax(-1)
+        return self.head(self.norm(self.experts(x, expert)))
+
+
+def test_the_report_names_every_weight_outside_linear_layers_with_the_reason():
+    model = _Moe()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "fp8")
+    report = mp.fp8_report
+    assert report.swapped == ("head",)
+    # Every 2-D+ weight but the head's, in module order; biases and the norm's scale are not weights.
+    assert [(u.name, u.shape) for u in report.uncovered] == [
+        ("router", (4, 32)), ("embed.weight", (16, 32)), ("conv.weight", (32, 32, 1)), ("experts.w", (4, 32, 32))]
+    why = {u.name: u.reason for u in report.uncovered}
+    assert why["embed.weight"].startswith("an embedding")
+    assert why["conv.weight"].startswith("a convolution (Conv1d)")
+    assert why["experts.w"].startswith("3-D, multiplied in _Experts.forward (per-expert")
+    assert why["router"].startswith("multiplied in _Moe.forward, not an nn.Linear")
+    # 128 + 512 + (1024 + 32) + 4096 + 64 + (512 + 16) parameters; fp8 holds the head's 512 weights.
+    assert report.parameters == 6384 and report.fp8_fraction == 512 / 6384
+    text = str(report)
+    assert "1 of 1 linear layers swapped (8% of the parameters)" in text
+    assert "not covered: 4 weights outside linear layers (90% of the parameters)" in text   # 5760 / 6384
+    assert "experts.w" in text and "(4, 32, 32)" in text
+    ids = torch.arange(8)
+    with mp.autocast():
+        loss = F.cross_entropy(model(ids), ids)
+    mp.backward(loss)
+    mp.step()                                                # it still trains, experts in the base recipe
+
+
+def test_a_tied_weight_counts_as_its_linear():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.head = nn.Linear(16, 32, bias=False)
+            self.head.weight = self.embed.weight              # GPT-2's tying: one (32, 16) Parameter
+
+    model = Tied()
+    report = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8").fp8_report
+    assert report.swapped == ("head",) and report.uncovered == () and report.fp8_fraction == 1.0

@@ -150,7 +150,7 @@ def _drop_where_absent(new, old, parts):
     elif not rest:
         if head not in old:
             new.pop(head, None)
-    elif head in new and head in old:
+    elif isinstance(new.get(head), dict) and isinstance(old.get(head), dict):    # not null on either side
         _drop_where_absent(new[head], old[head], rest)
 
 
@@ -249,3 +249,10 @@ def test_inspect_kernel_profiles_round_trip_and_render():
     assert InspectReport.from_json(report.to_json()) == report
     notes = render_notes(report)
     assert "bf16 on cpu: 75% of GPU kernel time in tensor-core kernels (longest: sm90_xmma_gemm_bf16)" in notes
+
+
+def test_an_fp8_swap_report_with_uncovered_weights_round_trips():
+    from mixprec.fp8.swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport, Fp8UncoveredWeight
+    report = Fp8SwapReport((Fp8LayerDecision("head", 16, 32, Fp8Reason.SWAPPED),), "emulate", "why",
+                           (Fp8UncoveredWeight("experts.w", (4, 32, 32), "3-D, ..."),), 6384)
+    assert from_data(Fp8SwapReport, json.loads(json.dumps(to_data(report)))) == report

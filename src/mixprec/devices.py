@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import platform
+import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -20,7 +22,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .recipe import Precision, Recipe
 
-__all__ = ["Support", "supports", "probe_scaled_mm", "resolve_device", "device_name"]
+__all__ = ["Support", "supports", "probe_scaled_mm", "Fp8Speed", "probe_fp8_speed", "resolve_device",
+           "device_name"]
 
 _CUDA_FP8_CAPABILITY = (8, 9)   # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores
 
@@ -93,6 +96,83 @@ def probe_scaled_mm(device: torch.device | str) -> Support:
     # and restores them after; outside any mode it does nothing.
     with _disable_current_modes():
         return _probe(str(torch.device(device)))
+
+
+class Fp8Speed(NamedTuple):
+    """One fp8 matmul timed both ways on a device: ``torch._scaled_mm`` and the emulation's fp32 mm."""
+
+    scaled_mm_s: float    # the fastest of the timed torch._scaled_mm calls, seconds
+    emulate_s: float      # the fastest of the emulation's calls (fp8 -> fp32, fp32 mm, scales, round)
+    size: int             # M = K = N of the timed matmul
+
+    @property
+    def ratio(self) -> float:
+        """How many times the emulation's time ``torch._scaled_mm`` takes (above 1: slower)."""
+        return self.scaled_mm_s / max(self.emulate_s, 1e-9)
+
+
+_SPEED_SIZE = 32          # M = K = N: 32k multiply-adds, microseconds for any real kernel
+_SPEED_REPS = 3           # interleaved calls of each; the minimum is compared (noise only adds time)
+_SPEED_ENOUGH_S = 1e-3    # a scaled_mm call this slow, and 4x the emulation, decides it at once
+
+
+@functools.lru_cache(maxsize=None)
+def _time_fp8(device: str) -> Fp8Speed:
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(_SPEED_SIZE, _SPEED_SIZE, generator=g).to(dev).to(torch.float8_e4m3fn)
+    b = torch.randn(_SPEED_SIZE, _SPEED_SIZE, generator=g).to(dev).to(torch.float8_e4m3fn).t()  # col-major
+    one = torch.ones((), device=dev)
+
+    def emulate() -> torch.Tensor:     # what fp8/matmul.py's emulated_mm does, from fp8 values
+        # Autocast off: asked inside a user's autocast region, this fp32 mm would run in bf16.
+        with torch.autocast(dev.type, enabled=False):
+            return (torch.mm(a.float(), b.float()) * one * one).to(torch.bfloat16)
+
+    def scaled() -> torch.Tensor:
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    def timed(fn: Callable[[], torch.Tensor]) -> float:
+        start = time.perf_counter()
+        fn()                           # CPU kernels return when done: no sync needed
+        return time.perf_counter() - start
+
+    # One thread while timing: on a loaded machine a 2-thread matmul of a few microseconds can wait
+    # tens of milliseconds at an OpenMP barrier for a descheduled sibling (2 cores, load 4: 37 ms
+    # against 0.005 ms); single-threaded the minimum of three is steady. Restored after.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        emulate()                      # warm-up; scaled_mm's first call is timed (the min forgives it)
+        t_sm: list[float] = [timed(scaled)]
+        t_em: list[float] = []
+        for _ in range(_SPEED_REPS):
+            t_em.append(timed(emulate))
+            t_sm.append(timed(scaled))
+            # A reference-loop kernel (e.g. 0.4 s per 128^3 matmul on one Intel CPU with AMX, torch
+            # 2.13) is told apart by two calls: stop there rather than spend more on it. Two, so
+            # that one call preempted on a loaded machine does not decide it.
+            if min(t_sm) > _SPEED_ENOUGH_S and min(t_sm) > 4 * min(t_em):
+                break
+    finally:
+        torch.set_num_threads(threads)
+    return Fp8Speed(min(t_sm), min(t_em), _SPEED_SIZE)
+
+
+def probe_fp8_speed(device: torch.device | str) -> Fp8Speed | None:
+    """On a CPU whose torch runs ``torch._scaled_mm``: one fp8 matmul timed with it and emulated.
+
+    torch's CPU fp8 kernel is a oneDNN path on some CPUs and a slow reference loop on others (40x
+    the emulation on an Intel CPU with AMX); only a measurement tells. A few interleaved 32x32x32
+    matmuls, well under a millisecond where the kernel is sound; cached per device for the process.
+    ``None`` where nothing is measured: on CUDA the fp8 tensor cores are what fp8 is for (and a
+    matmul this small would time the launch, not the kernel), and where ``_scaled_mm`` cannot run.
+    """
+    dev = torch.device(device)
+    if dev.type != "cpu" or not probe_scaled_mm(dev).ok:
+        return None
+    with _disable_current_modes():     # real tensors, even asked inside a fake-tensor trace
+        return _time_fp8(str(dev))
 
 
 def resolve_device(word: str | None) -> torch.device:

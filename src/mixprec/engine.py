@@ -69,8 +69,9 @@ class MixedPrecision:
 
     fp8 recipes swap eligible ``nn.Linear`` layers for ``Fp8Linear`` here (sharing their Parameters);
     ``fp8_filter(name, module) -> bool`` keeps layers out, and ``fp8_report`` says what was swapped and
-    why the rest was not. Where the device has no fp8 matmuls the emulation runs and an
-    ``Fp8EmulationWarning`` says so, once, here.
+    why the rest was not. Where the device has no fp8 matmuls, or (on a CPU) a measured probe finds
+    torch's fp8 kernel slower than the emulation, the emulation runs and an ``Fp8EmulationWarning``
+    says so, once, here (``fp8_report.note`` names the choice and the measurement).
 
     ``trace_nonfinite=True`` watches every op of the forward (inside ``autocast()``) and the backward
     (inside ``backward()``) and, after a step whose gradients were not finite, ``last_overflow`` names
@@ -138,7 +139,7 @@ class MixedPrecision:
         self.fp8_report: Fp8SwapReport | None = None
         if self.recipe.fp8 is not None:
             backend, note = resolve_backend(self.recipe.fp8, self.device)
-            if note:
+            if note and backend == "emulate":    # the notice: fp8 runs, but emulated, and why
                 warnings.warn(note, Fp8EmulationWarning, stacklevel=2)
             keeps = (lambda m: keeps_fp32(m, self.recipe)) if self.recipe.param.is_low else None
             self.fp8_report = swap_to_fp8(model, self.recipe.fp8, backend=backend, note=note,

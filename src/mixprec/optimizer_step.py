@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .engine import MixedPrecision
 
 __all__ = ["unscale_and_clip", "divides", "fused_step_ok", "fused_optimizer_step", "generic_optimizer_step",
-           "master_whole", "optimizer_grads", "update"]
+           "master_whole", "optimizer_grads", "update", "fused_kernel_optimizer"]
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
 # finite clip coefficient (clamped to 1 anyway).
@@ -62,12 +62,33 @@ def divides(engine: MixedPrecision) -> bool:
     return not isinstance(engine.loss_scale, NoLossScale) or engine.clip_grad_norm is not None
 
 
+def fused_kernel_optimizer(opt: Any) -> Any:
+    """The torch optimizer whose fused kernel would read ``grad_scale`` and ``found_inf``: ``opt``
+    itself, or the one inside a pass-through wrapper; None where there is none. Flag checks only.
+
+    A pass-through wrapper (Accelerate's ``AcceleratedOptimizer``) subclasses ``Optimizer`` without
+    torch's ``_step_supports_amp_scaling`` flag, holds the real optimizer as ``.optimizer``, shares
+    its ``param_groups`` and calls its ``step()``. It is looked through only where that call is all it
+    adds this step: no loss scaler of its own (``mixed_precision="no"``, as the engine needs anyway)
+    and, under ``accelerator.accumulate``, a step that synchronises gradients (on the others the
+    wrapper skips the step; the generic path lets it).
+    """
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        return opt
+    inner = getattr(opt, "optimizer", None)
+    if (isinstance(inner, torch.optim.Optimizer) and getattr(inner, "_step_supports_amp_scaling", False)
+            and opt.param_groups is inner.param_groups and getattr(opt, "scaler", None) is None
+            and getattr(getattr(opt, "gradient_state", None), "sync_gradients", True)):
+        return inner
+    return None
+
+
 def fused_step_ok(engine: MixedPrecision) -> bool:
     """True when the optimizer can divide, clip and skip inside its own fused kernel."""
-    opt = engine.optimizer
     if engine.moments is not None:        # the engine's own AdamW takes the generic path
         return False
-    if not getattr(opt, "_step_supports_amp_scaling", False):
+    opt = fused_kernel_optimizer(engine.optimizer)
+    if opt is None:
         return False
     if not all(g.get("fused") for g in opt.param_groups):
         return False
@@ -82,12 +103,14 @@ def fused_step_ok(engine: MixedPrecision) -> bool:
 def fused_optimizer_step(engine: MixedPrecision, divisor: torch.Tensor | None,
                          found_inf_f32: torch.Tensor) -> None:
     """The optimizer divides by ``divisor`` and skips where ``found_inf_f32`` is 1, in its kernel."""
-    engine.optimizer.grad_scale = divisor                       # type: ignore[attr-defined]
-    engine.optimizer.found_inf = found_inf_f32                  # type: ignore[attr-defined]
+    # Set on the optimizer that owns the kernel; engine.optimizer.step() (a wrapper's, if any) calls it.
+    opt = fused_kernel_optimizer(engine.optimizer)
+    opt.grad_scale = divisor                       # type: ignore[attr-defined]
+    opt.found_inf = found_inf_f32                  # type: ignore[attr-defined]
     try:
         update(engine, None)
     finally:
-        del engine.optimizer.grad_scale, engine.optimizer.found_inf  # type: ignore[attr-defined]
+        del opt.grad_scale, opt.found_inf          # type: ignore[attr-defined]
 
 
 def generic_optimizer_step(engine: MixedPrecision, grads: list[torch.Tensor], divisor: torch.Tensor | None,

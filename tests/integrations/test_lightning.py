@@ -47,27 +47,28 @@ def _loader(batches=STEPS):
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
-def _fit(plugin, tmp_path, steps=STEPS, ckpt_path=None, batches=STEPS):
+def _fit(plugin, tmp_path, steps=STEPS, ckpt_path=None, batches=STEPS, accumulate=1):
     trainer = L.Trainer(max_steps=steps, plugins=[plugin], gradient_clip_val=1.0, accelerator="cpu",
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path))
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     module = Module()
     trainer.fit(module, _loader(batches), ckpt_path=ckpt_path)
     return trainer, module
 
 
-def _by_hand(recipe, steps=STEPS):
+def _by_hand(recipe, steps=STEPS, accumulate=1):
     net = _net()
     holder = nn.Module()
     holder.net = net                       # the same parameter names as the LightningModule
     mp = MixedPrecision(holder, torch.optim.SGD(holder.parameters(), lr=0.5), recipe, clip_grad_norm=1.0)
     x, y = _data()
-    for i in range(steps):
+    for i in range(steps * accumulate):
         with mp.autocast():
             loss = F.cross_entropy(net(x[i * 8:(i + 1) * 8]), y[i * 8:(i + 1) * 8])
-        mp.backward(loss)
-        mp.step()
-        mp.zero_grad()
+        mp.backward(loss / accumulate if accumulate > 1 else loss)   # Lightning divides by k, k > 1
+        if (i + 1) % accumulate == 0:
+            mp.step()
+            mp.zero_grad()
     return holder, mp
 
 
@@ -84,6 +85,43 @@ def test_lightning_loop_equals_the_engine_by_hand_bit_for_bit(recipe, tmp_path):
     norms = [m["mixprec/grad_norm"] for _, m in seen]
     assert max(norms) > 1.0                                # clipping engaged, on the unscaled norm
     assert all(n < 100 for n in norms)                     # not S-scaled norms (S = 65536 for fp16)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 4])
+@pytest.mark.parametrize("recipe", ["fp16", "fp16-pure", "bf16-pure", "fp8"])
+def test_gradient_accumulation_equals_the_engine_by_hand_from_the_first_micro_batch(recipe, accumulate,
+                                                                                   tmp_path):
+    # The engine must exist before the first micro-batch: built at the first optimizer step, the k - 1
+    # micro-batches before it ran without the loss scale (fp16: their gradients then divided by 65536),
+    # in fp32 weights (pure) or in plain linears (fp8).
+    steps = 3
+    plugin = MixedPrecisionPlugin(recipe)
+    _, module = _fit(plugin, tmp_path, steps=steps, batches=steps * accumulate, accumulate=accumulate)
+    holder, mp = _by_hand(recipe, steps=steps, accumulate=accumulate)
+    for (name, p), q in zip(module.named_parameters(), holder.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), name
+    assert plugin.engine.scale == mp.scale
+    if mp.master is not None:
+        for m, n in zip(plugin.engine.master.masters, mp.master.masters):
+            assert torch.equal(m, n)
+    if recipe == "fp8":
+        assert plugin.engine.fp8_report.swapped == mp.fp8_report.swapped == ("net.0",)
+        assert torch.equal(module.net[0].input_scale, holder.net[0].input_scale)
+
+
+def test_the_engine_exists_before_the_first_forward(tmp_path):
+    seen = []
+
+    class Probe(Module):
+        def training_step(self, batch, i):
+            seen.append((self.trainer.precision_plugin.engine is not None, self.net[0].weight.dtype))
+            return super().training_step(batch, i)
+
+    trainer = L.Trainer(max_steps=1, plugins=[MixedPrecisionPlugin("fp16-pure")], accelerator="cpu",
+                        accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Probe(), _loader(2))
+    assert seen == [(True, torch.float16), (True, torch.float16)]
 
 
 def test_checkpoint_holds_the_engine_state_and_resumes_it(tmp_path, monkeypatch):
@@ -118,3 +156,17 @@ def test_clipping_by_value_is_refused(tmp_path):
                         default_root_dir=str(tmp_path))
     with pytest.raises(ValueError, match="norm"):
         trainer.fit(Module(), _loader())
+
+
+def test_validation_alone_builds_no_engine_and_runs_in_the_recipes_autocast(tmp_path):
+    dtypes = []
+
+    class Validated(Module):
+        def validation_step(self, batch, _):
+            dtypes.append(self.net(batch[0]).dtype)
+
+    plugin = MixedPrecisionPlugin("bf16")
+    trainer = L.Trainer(plugins=[plugin], accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.validate(Validated(), _loader(2))
+    assert plugin.engine is None and dtypes == [torch.bfloat16, torch.bfloat16]

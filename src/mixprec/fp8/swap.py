@@ -10,6 +10,12 @@ recipe's ``fp32_modules``. ``force`` names layers that must be fp8: an error if 
     report = swap_to_fp8(model, Fp8Config(skip=("lm_head",)), backend="emulate")
     print(report)            # one line per linear: name, shape, fp8 or why not
     report.swapped           # ('blocks.0.attn.c_attn', ...)
+    report.uncovered         # the other weights no fp8 layer computes with, and why
+
+Only linear layers become fp8. The report also names every other weight (a parameter of 2 or more
+dimensions) that stays in the base recipe: embeddings, convolutions, and weights a module multiplies
+in its own forward, such as a mixture of experts' 3-D expert weights (Mixtral's ``gate_up_proj``,
+``(experts, 2 x intermediate, hidden)``, most of such a model's parameters) and its router.
 """
 
 from __future__ import annotations
@@ -18,17 +24,20 @@ import dataclasses
 import difflib
 import enum
 import fnmatch
+import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ..devices import probe_fp8_speed
 from ..recipe.fp8 import Fp8Config
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .linear import Fp8Linear
 from .matmul import probe_scaled_mm
 
-__all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8SwapReport", "swap_to_fp8", "resolve_backend"]
+__all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8",
+           "resolve_backend"]
 
 _ALIGN = 16
 
@@ -64,12 +73,28 @@ class Fp8LayerDecision:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8UncoveredWeight:
+    """A weight outside every linear layer (so never fp8): qualified name, shape, and why."""
+
+    name: str
+    shape: tuple[int, ...]
+    reason: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
 class Fp8SwapReport:
-    """Every ``nn.Linear`` of a model, in module order, with the swap decision; plus the backend."""
+    """Every ``nn.Linear`` of a model, in module order, with the swap decision; plus the backend, the
+    weights outside linear layers (``uncovered``) and the model's parameter count."""
 
     layers: tuple[Fp8LayerDecision, ...]
     backend: str            # "scaled_mm" or "emulate"
-    note: str = ""          # why the emulation runs, when it was not asked for
+    note: str = ""          # how the backend was chosen, when auto chose it by a probe
+    uncovered: tuple[Fp8UncoveredWeight, ...] = ()   # 2-D and larger weights no linear layer holds
+    parameters: int = 0     # the model's parameter count (shared ones once)
 
     @property
     def swapped(self) -> tuple[str, ...]:
@@ -77,38 +102,74 @@ class Fp8SwapReport:
         return tuple(d.name for d in self.layers if d.swapped)
 
     @property
+    def fp8_fraction(self) -> float:
+        """The share of the model's parameters held by fp8 layers' weights (0 for an empty model)."""
+        fp8 = sum(d.out_features * d.in_features for d in self.layers if d.swapped)
+        return fp8 / self.parameters if self.parameters else 0.0
+
+    @property
     def not_swapped(self) -> dict[str, Fp8Reason]:
         """The other linears and why each stayed in the base recipe."""
         return {d.name: d.reason for d in self.layers if not d.swapped}
 
     def __str__(self) -> str:
-        width = max([len("layer")] + [len(d.name) for d in self.layers])
-        lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} linear layers swapped, backend "
-                 f"{self.backend}" + (f" ({self.note})" if self.note else ""),
-                 f"  {'layer':<{width}}  {'weight (out, in)':>16}  decision"]
+        width = max([len("layer")] + [len(d.name) for d in self.layers] + [len(u.name) for u in self.uncovered])
+        share = f" ({self.fp8_fraction:.0%} of the parameters)" if self.parameters else ""
+        lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} linear layers swapped{share}, backend "
+                 f"{self.backend}"] + ([f"  {self.note}"] if self.note else []) + \
+                [f"  {'layer':<{width}}  {'weight (out, in)':>16}  decision"]
         for d in self.layers:
             shape = f"({d.out_features}, {d.in_features})"
             why = d.reason.value + (f": {d.detail}" if d.detail else "")
             lines.append(f"  {d.name:<{width}}  {shape:>16}  {why}")
+        if self.uncovered:
+            share = f" ({sum(u.numel for u in self.uncovered) / self.parameters:.0%} of the parameters)" \
+                if self.parameters else ""
+            n = len(self.uncovered)
+            lines.append(f"  not covered: {n} weight{'s' if n > 1 else ''} outside linear layers{share}")
+            for u in self.uncovered:
+                lines.append(f"  {u.name:<{width}}  {str(u.shape):>16}  {u.reason}")
         return "\n".join(lines)
 
 
-def resolve_backend(config: Fp8Config, device: torch.device | str) -> tuple[str, str]:
-    """``(backend, note)`` for ``device``: ``auto`` picks scaled_mm where it runs, else the emulation.
+# backend=auto keeps torch._scaled_mm unless the measured probe finds it more than this many times
+# slower than the emulation. A sound kernel measures about 1.1x on a CPU (AMD Zen 5, torch 2.13: the
+# casts around the matmuls then decide the step, within 15% either way); a reference loop measures
+# hundreds. The margin keeps the choice, and so the numbers, the same run to run on a loaded machine.
+_SLOWER_THAN_EMULATION = 2.0
 
-    ``backend=scaled_mm`` on a device that cannot run it is a ValueError with the reason. The note is
-    non-empty when ``auto`` falls back to the emulation (the engine shows it once, as a warning).
+
+def resolve_backend(config: Fp8Config, device: torch.device | str) -> tuple[str, str]:
+    """``(backend, note)`` for ``device``: ``auto`` picks the faster of scaled_mm and the emulation.
+
+    ``auto``: the emulation where ``torch._scaled_mm`` cannot run; on a CPU where it runs, whichever
+    a measured probe finds faster (``devices.probe_fp8_speed``: under a millisecond, once per process);
+    on CUDA (8.9+) scaled_mm. ``backend=scaled_mm`` or ``backend=emulate`` overrides the choice;
+    ``scaled_mm`` on a device that cannot run it is a ValueError with the reason. The note names the
+    choice and why; the engine shows it once, as an ``Fp8EmulationWarning``, when the emulation runs.
     """
     if config.backend == "emulate":
         return "emulate", ""
     support = probe_scaled_mm(device)
-    if support.ok:
+    if support.ok and config.backend == "scaled_mm":
         return "scaled_mm", ""
-    if config.backend == "scaled_mm":
-        raise ValueError(f"fp8 backend=scaled_mm cannot run on {device}: {support.reason}; use "
-                         "backend=auto or backend=emulate")
-    return "emulate", (f"fp8 is emulated on {device} (exact fp8 rounding, fp32 matmuls, no speed-up): "
-                       f"{support.reason}")
+    if not support.ok:
+        if config.backend == "scaled_mm":
+            raise ValueError(f"fp8 backend=scaled_mm cannot run on {device}: {support.reason}; use "
+                             "backend=auto or backend=emulate")
+        return "emulate", (f"fp8 is emulated on {device} (exact fp8 rounding, fp32 matmuls, no speed-up): "
+                           f"{support.reason}")
+    speed = probe_fp8_speed(device)
+    if speed is None:
+        return "scaled_mm", ""
+    measured = (f"a {speed.size}x{speed.size}x{speed.size} fp8 matmul took {speed.scaled_mm_s * 1e3:.3f} ms "
+                f"with torch._scaled_mm, {speed.emulate_s * 1e3:.3f} ms emulated")
+    if speed.ratio > _SLOWER_THAN_EMULATION:
+        return "emulate", (f"fp8 is emulated on {device} (exact fp8 rounding, fp32 matmuls): torch._scaled_mm "
+                           f"runs here but measured {speed.ratio:.0f}x slower ({measured}); "
+                           "fp8=...(backend=scaled_mm) forces it")
+    return "scaled_mm", (f"torch._scaled_mm chosen on {device} by a measured probe ({measured}); "
+                         "fp8=...(backend=emulate) overrides it")
 
 
 def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str = "",
@@ -144,12 +205,40 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
         if reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
             replace[id(module)] = (Fp8Conv1D.from_conv1d(module, config, backend) if is_hf_conv1d(module)
                                    else Fp8Linear.from_linear(module, config, backend))
+    uncovered = _uncovered(model, {id(m.weight) for _, m in linears})
+    parameters = sum(p.numel() for p in model.parameters())     # parameters() yields a shared one once
     # Replace every reference (a module shared by two parents is swapped in both).
     for parent in model.modules():
         for child_name, child in list(parent.named_children()):
             if id(child) in replace:
                 setattr(parent, child_name, replace[id(child)])
-    return Fp8SwapReport(tuple(decisions), backend, note)
+    return Fp8SwapReport(tuple(decisions), backend, note, uncovered, parameters)
+
+
+def _uncovered(model: nn.Module, linear_weights: set[int]) -> tuple[Fp8UncoveredWeight, ...]:
+    """Every parameter of 2+ dimensions that no linear layer holds (those are in the layer decisions;
+    a weight tied to a linear's, like GPT-2's embedding, counts as that linear's), with the reason."""
+    out, seen = [], set(linear_weights)
+    for module_name, module in model.named_modules():
+        for param_name, p in module.named_parameters(recurse=False):
+            if p.dim() < 2 or id(p) in seen:
+                continue         # biases and norm scales multiply elementwise: no matmul to cover
+            seen.add(id(p))
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            out.append(Fp8UncoveredWeight(name, tuple(p.shape), _why_uncovered(module, p)))
+    return tuple(out)
+
+
+def _why_uncovered(module: nn.Module, p: torch.Tensor) -> str:
+    owner = type(module).__name__
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "an embedding: a lookup, no matmul"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return f"a convolution ({owner}): fp8 covers linear layers only"
+    if p.dim() >= 3:
+        return (f"{p.dim()}-D, multiplied in {owner}.forward (per-expert or batched matmuls): fp8 "
+                "covers linear layers only")
+    return f"multiplied in {owner}.forward, not an nn.Linear: fp8 covers linear layers only"
 
 
 def _decide(i: int, n: int, name: str, module: nn.Module, config: Fp8Config,

@@ -16,8 +16,11 @@ Lightning's loops stay as they are; the plugin takes the precision-specific part
 - the engine's state (loss scale, master weights, fp8 scale histories) is the plugin's
   ``state_dict``, so Lightning checkpoints hold it and ``ckpt_path=`` resumes it.
 
-The engine is built at the first optimizer step, on the LightningModule and its optimizer (one
-optimizer, automatic optimization). ``metrics``, a ``mixprec.integrations.logging.MetricsLogger``,
+The engine is built when Lightning connects the plugin to the LightningModule and its optimizer
+(``connect``, during the trainer's setup: one optimizer, automatic optimization), before the first
+forward. So with ``accumulate_grad_batches=k`` every micro-batch of the first optimizer step already
+runs under the recipe: the loss scale multiplies each micro-batch's loss, pure recipes have cast the
+weights, fp8 layers are swapped. ``metrics``, a ``mixprec.integrations.logging.MetricsLogger``,
 receives every step's loss scale, skip flag and grad norm.
 """
 
@@ -61,6 +64,19 @@ class MixedPrecisionPlugin(Precision):
         self._module = module      # the engine casts it (pure recipes) when it is built
         return module
 
+    def connect(self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
+                ) -> tuple[torch.nn.Module, list[Any], list[Any]]:
+        """Build the engine now, before the first micro-batch (Lightning calls this in its setup, after
+        the optimizers exist and the model is on its device). Without optimizers (validate, test,
+        predict) nothing is built and the forward runs in the recipe's autocast."""
+        if optimizers:
+            if len(optimizers) > 1:
+                raise ValueError(f"MixedPrecisionPlugin drives one optimizer; configure_optimizers returned "
+                                 f"{len(optimizers)}")
+            # The LightningModule itself (convert_module saw it), not a DDP wrapper around it.
+            self._ensure_engine(self._module if self._module is not None else model, optimizers[0])
+        return model, optimizers, lr_schedulers
+
     def _ensure_engine(self, model: Any, optimizer: Any) -> MixedPrecision:
         if self.engine is None:
             if not getattr(model, "automatic_optimization", True):
@@ -71,14 +87,16 @@ class MixedPrecisionPlugin(Precision):
                 self.engine.load_state_dict(self._pending_state)
                 self._pending_state = None
         elif optimizer is not self.engine.optimizer:
-            raise ValueError("MixedPrecisionPlugin drives one optimizer; configure_optimizers returned several")
+            raise ValueError("MixedPrecisionPlugin drives one optimizer, and its engine was built on another "
+                             "(configure_optimizers returned several, or a second fit made a new one): "
+                             "give each Trainer a new MixedPrecisionPlugin")
         return self.engine
 
     # ------------------------------------------------------------------------------ forward
     def forward_context(self) -> contextlib.AbstractContextManager:
         if self.engine is not None:
             return self.engine.autocast()
-        # Before the first optimizer step (Lightning's sanity-check validation): the recipe's autocast.
+        # No engine (trainer.validate/test/predict without a fit: no optimizer): the recipe's autocast.
         device = next((p.device for p in self._module.parameters()), torch.device("cpu")) \
             if self._module is not None else torch.device("cpu")
         return torch.autocast(device.type, dtype=self.recipe.compute.dtype if self.recipe.autocast else None,

@@ -47,7 +47,7 @@ class AmaxAlgorithm(str, enum.Enum):
 class Fp8Backend(str, enum.Enum):
     """Which matmul runs the fp8 layers (a ``str`` enum: ``== "auto"`` works)."""
 
-    AUTO = "auto"             # scaled_mm where the device runs it, else emulate with a notice
+    AUTO = "auto"             # the faster of the two where scaled_mm runs (measured on a CPU), else emulate
     SCALED_MM = "scaled_mm"   # torch._scaled_mm, or an error where the device cannot run it
     EMULATE = "emulate"       # exact fp8 rounding (formats.quantize) then an fp32 matmul
 
@@ -64,7 +64,8 @@ class Fp8Config:
     in the base recipe), ``skip_first``/``skip_last`` (the model's first/last ``nn.Linear`` in module
     order), ``force`` (exact names that must become fp8: an error if one cannot). ``backend``:
     ``scaled_mm`` (``torch._scaled_mm``), ``emulate`` (``formats.quantize`` then an fp32 matmul) or
-    ``auto`` (scaled_mm where the device runs it, else emulate with a notice).
+    ``auto`` (the faster of the two: scaled_mm on CUDA 8.9+, measured once per process on a CPU;
+    the emulation where scaled_mm cannot run; a notice says when the emulation was chosen, and why).
     """
 
     scaling: Fp8Scaling = Fp8Scaling.CURRENT

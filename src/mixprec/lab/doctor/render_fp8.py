@@ -33,16 +33,21 @@ __all__ = ["fp8_swap_lines", "fp8_rows", "render_fp8_table", "render_fp8_finding
 
 # ----------------------------------------------------------------------------------- text
 def fp8_swap_lines(swap: Fp8SwapReport | None) -> list[str]:
-    """One summary line, then one line per linear layer that stayed out of fp8 and why."""
+    """One summary line, then one line per linear layer that stayed out of fp8 and why, then one per
+    weight outside linear layers (embeddings, convolutions, a mixture of experts' expert weights)."""
     if swap is None:
         return []
+    share = f", {swap.fp8_fraction:.0%} of the parameters" if swap.parameters else ""
     lines = [f"fp8: {len(swap.swapped)} of {len(swap.layers)} linear layers swapped "
-             f"({', '.join(repr(n) for n in swap.swapped) or 'none'}), backend {swap.backend}"
-             + (f" ({swap.note})" if swap.note else "")]
+             f"({', '.join(repr(n) for n in swap.swapped) or 'none'}{share}), backend {swap.backend}"]
+    if swap.note:
+        lines.append(f"  {swap.note}")       # how the backend was chosen
     for d in swap.layers:
         if not d.swapped:
             lines.append(f"  not fp8: {d.name!r} ({d.out_features}, {d.in_features}): {d.reason.value}"
                          + (f": {d.detail}" if d.detail else ""))
+    for u in swap.uncovered:
+        lines.append(f"  not fp8: {u.name!r} {u.shape}: {u.reason}")
     return lines
 
 

@@ -48,6 +48,9 @@ JSON schema, version 1 (one object; strict JSON: non-finite floats are the strin
       layers         list     every nn.Linear in module order: name str, out_features int,
                               in_features int, reason str (an Fp8Reason name: "SWAPPED", "SHAPE", ...),
                               detail str
+      uncovered      list     every other weight of 2+ dims (never fp8): name str, shape list of int,
+                              reason str (e.g. a mixture of experts' 3-D expert weights)
+      parameters     int      the model's parameter count (0 in files written before it was added)
 
 Adding a field keeps the version (``SCHEMA.added``: readers take a missing new field as empty); it is
 bumped when a field changes meaning or goes away. ``DoctorReport.from_json(report.to_json()) == report``;
@@ -73,7 +76,7 @@ class DoctorReport(JsonReport):
     """One doctor run: per-module ranges over ``steps`` steps of ``recipe``, and the scale window."""
 
     SCHEMA: ClassVar[Schema] = Schema(
-        "doctor", 1, added=frozenset({"fp8_layers", "fp8_swap"}),
+        "doctor", 1, added=frozenset({"fp8_layers", "fp8_swap", "fp8_swap.uncovered", "fp8_swap.parameters"}),
         # Written for readers of the file, recomputed from the fields when read back:
         derived={ScaleWindow: {"recommended": attr("recommended")},
                  ModuleRanges: {"window": lambda report, module: report.module_window(module)}})
