@@ -142,3 +142,74 @@ def test_the_skip_warning_points_at_last_overflow_when_tracing():
     mp = engine("bf16", trace_nonfinite=True)
     with pytest.warns(RuntimeWarning, match="mp.last_overflow names the module and op"):
         nan_loss_run(mp, SKIP_WARNING_AFTER)
+
+
+# ------------------------------------------------------------------ optimizer.step() instead of mp.step()
+def _opt_state(opt):
+    return [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()]
+
+
+@pytest.mark.parametrize("opt", ["sgd-momentum", "sgd-momentum-fused", "adamw-foreach", "adamw-fused"])
+@pytest.mark.parametrize("recipe", ["fp16", "fp16-pure", "bf16-pure"])
+def test_a_bare_optimizer_step_is_refused_where_only_mp_step_steps_right(recipe, opt):
+    # fp16: the gradients carry S = 65536 (SGD would move the weights 65536x too far); the pure
+    # recipes: the optimizer holds fp32 copies that only mp.step() fills and rounds back.
+    mp = engine(recipe, opt)
+    batch = batches(2)
+    mp.backward(forward(mp, *batch[0]))
+    mp.step()                                  # mp.step()'s own optimizer.step() goes through
+    mp.zero_grad()
+    mp.backward(forward(mp, *batch[1]))
+    before, state, scale = weights(mp), _opt_state(mp.optimizer), mp.scale
+    reason = "fp32 copies" if recipe == "bf16-pure" else "loss scale S"
+    with pytest.raises(RuntimeError, match=rf"step\(\) was called directly, but .*{reason}.*Call mp.step\(\)"):
+        mp.optimizer.step()
+    # Refused before anything moved: weights, optimizer state and the loss scale as they were.
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(mp)))
+    for a, b in zip(state, _opt_state(mp.optimizer)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                                            for k in a)
+    assert mp.scale == scale and mp.steps == 1
+    mp.step()                                  # and the engine's step still runs after the refusal
+    assert mp.steps == 2 and not all(torch.equal(a, b) for a, b in zip(before, weights(mp)))
+
+
+@pytest.mark.parametrize("opt", ["sgd-momentum", "adamw-fused"])
+def test_a_bare_optimizer_step_is_left_alone_where_it_is_correct(opt):
+    # bf16 (S = 1, fp32 weights): optimizer.step() after loss.backward() is torch's own bf16 loop, so
+    # no guard is installed at all, and it equals mp.step() bit for bit.
+    runs = []
+    for bare in (False, True):
+        mp = engine("bf16", opt)
+        x, y = batches(1)[0]
+        assert not mp.optimizer._optimizer_step_pre_hooks
+        loss = forward(mp, x, y)
+        if bare:
+            loss.backward()
+            mp.optimizer.step()
+        else:
+            mp.backward(loss)
+            mp.step()
+        runs.append(weights(mp))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_later_engine_on_the_same_optimizer_replaces_the_guard():
+    # The first engine's flag is never set again: its guard must not refuse the second engine's steps.
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    MixedPrecision(model, opt, "fp16")
+    mp = MixedPrecision(model, opt, "fp16")
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    mp.backward(forward(mp, *batches(1)[0]))
+    assert not mp.step().skipped
+    MixedPrecision(model, opt, "bf16")              # bf16 needs no guard: the old one is removed too
+    assert not opt._optimizer_step_pre_hooks
+
+
+def test_a_bare_step_with_compact_moments_is_refused():
+    mp = engine("bf16,moments=bf16", "adamw-foreach")
+    mp.backward(forward(mp, *batches(1)[0]))
+    with pytest.raises(RuntimeError, match="compact in the engine's own AdamW"):
+        mp.optimizer.step()
+    mp.step()

@@ -47,7 +47,7 @@ from .oplists import op_list_mode
 from .optimizer_step import (fused_optimizer_step, fused_step_ok, generic_optimizer_step, master_whole,
                              optimizer_grads, unscale_and_clip)
 from .recipe import Precision, Recipe, get_recipe
-from .usage_checks import UsageChecks
+from .usage_checks import UsageChecks, bare_step_reason
 from .recipe.moments import Moments
 from .saved16 import Saved, SavedPacker
 from .step_result import StepObserver, StepResult
@@ -164,6 +164,11 @@ class MixedPrecision:
         # Misuse that would train on silently wrong (usage_checks): flags and counters, no host sync.
         self._checks = UsageChecks(self.recipe, not isinstance(self.loss_scale, NoLossScale), self.device)
         self._checks.traced = trace_nonfinite
+        # A bare optimizer.step() where only mp.step() steps right (a loss scale, fp32 copies, compact
+        # moments) raises; nothing is installed where it is correct (bf16, fp32).
+        self._checks.guard_optimizer(optimizer, bare_step_reason(
+            self.recipe, not isinstance(self.loss_scale, NoLossScale), self.master is not None,
+            self.moments is not None))
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
         self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
         self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep

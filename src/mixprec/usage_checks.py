@@ -7,9 +7,14 @@ Each of these trains on, silently wrong, without a check:
   multiplied by S, but ``step()`` still divides by S (65536 for fp16), so training stalls;
 - ``step()`` twice without a new backward: the same (stale) gradients are applied twice;
 - every step skipped for inf/NaN gradients: nothing moves and, without a dynamic scale at its floor,
-  nothing says so.
+  nothing says so;
+- ``optimizer.step()`` instead of ``mp.step()`` where the engine must do the step: under a loss scale
+  the gradients still carry S (65536 under fp16, so SGD moves the weights S times too far and no
+  inf/NaN step is skipped); under a master copy the optimizer holds fp32 copies that only
+  ``mp.step()`` fills and rounds back. A step pre-hook on the optimizer refuses the call.
 
-The checks cost no host-device sync: the first three read Python-side flags and the gradients'
+The checks cost no host-device sync: the optimizer guard reads one Python flag per ``optimizer.step()``
+(and is not installed at all where a bare step is correct, e.g. ``bf16``); the next three read Python-side flags and the gradients'
 version counters (host metadata, bumped by every in-place write such as backward's accumulation);
 the skip watch keeps a device counter of consecutive skips and reads it only where reading is free
 (a CPU tensor, a count the generic step already synced for, or a non-blocking copy that has landed).
@@ -23,13 +28,36 @@ import warnings
 import weakref
 from typing import Any
 
+from torch.utils.hooks import RemovableHandle
+
 import torch
 
-__all__ = ["UsageChecks", "SKIP_WARNING_AFTER"]
+__all__ = ["UsageChecks", "SKIP_WARNING_AFTER", "bare_step_reason"]
 
 # Consecutive skipped steps before the warning. A dynamic fp16 scale skips a few steps while it
 # settles (each halves S); ten in a row means S fell 1024-fold or there is no scale to adjust.
 SKIP_WARNING_AFTER = 10
+
+
+# The step guard each optimizer carries: a later engine on the same optimizer replaces the earlier
+# one's (else the old engine's flag, never set again, would refuse the new engine's steps).
+_GUARDS: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+def bare_step_reason(recipe: Any, scaled: bool, master: bool, moments: bool) -> str | None:
+    """Why a bare ``optimizer.step()`` trains wrong under this engine, or None where it is correct."""
+    if scaled:
+        return ("its gradients still carry the loss scale S (65536 at the start under fp16): the update "
+                "would be S times too large, unclipped, and a step with inf/NaN gradients would not be "
+                "skipped")
+    if master:
+        return (f"under recipe {recipe.label!r} the optimizer holds fp32 copies of the 16-bit weights, which "
+                "only mp.step() fills with gradients and rounds back into the model: a bare step would "
+                "leave the model unchanged")
+    if moments:
+        return (f"recipe {recipe.label!r} keeps Adam's moments compact in the engine's own AdamW: a bare "
+                "step would run your optimizer's own update instead")
+    return None
 
 
 def _compiling() -> bool:
@@ -58,6 +86,33 @@ class UsageChecks:
         self._host: torch.Tensor | None = None                      # its pinned destination
         self.traced = False             # the engine traces inf/NaN (trace_nonfinite=True)
         self.warned_skips = False
+        self.in_engine_step = False     # mp.step() is calling the optimizer: the guard lets it through
+        self.bare_step_reason: str | None = None
+
+    # ----------------------------------------------------------------- the optimizer guard
+    def guard_optimizer(self, optimizer: Any, reason: str | None) -> None:
+        """Make a bare ``optimizer.step()`` raise (with ``reason``) unless ``mp.step()`` is calling it.
+
+        The hook goes on the innermost torch optimizer (Accelerate's wrapper delegates its step to it),
+        and replaces a guard an earlier engine left there. ``reason`` None installs nothing: a bare step
+        is correct under that recipe, and the step pays not even a Python call.
+        """
+        while not hasattr(optimizer, "_optimizer_step_pre_hooks") and hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
+        old = _GUARDS.pop(optimizer, None)
+        if old is not None:
+            old.remove()
+        self.bare_step_reason = reason
+        if reason is not None and hasattr(optimizer, "register_step_pre_hook"):
+            _GUARDS[optimizer] = optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # One Python flag per optimizer.step(); raising here leaves weights and state untouched.
+        if not self.in_engine_step:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() was called directly, but {self.bare_step_reason}. "
+                "Call mp.step() instead: it unscales, clips, skips inf/NaN steps and calls "
+                "optimizer.step() itself")
 
     # ------------------------------------------------------------- forward and backward
     def on_backward(self) -> None:
