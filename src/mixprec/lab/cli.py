@@ -6,6 +6,7 @@
     mixprec compare --steps 200 --out runs/today      # runs/today/report.json and report.html
     mixprec report runs/today/report.json --out page.html   # the page again, from the JSON alone
     mixprec inspect --benchmark gpt2 --json gpt2.json       # memory per recipe, tensor-core fit; no training
+    mixprec ckpt show run/step_1000.ckpt              # verify a checkpoint, print what it holds
 
 Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
 HTML page beside it), and the paths written to stderr. A user mistake prints one line,
@@ -26,6 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
+from . import checkpoint_cli
 from .cli_args import EXIT_INTERRUPTED, UsageError
 from .compare import cli as compare_cli
 from .doctor import cli as doctor_cli
@@ -84,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     trace_cli.add_parser(commands)
     inspect_cli.add_parser(commands)
     doctor_cli.add_parser(commands)
+    checkpoint_cli.add_parser(commands)
     return parser
 
 
