@@ -11,7 +11,8 @@
 Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
 HTML page beside it), and the paths written to stderr. A user mistake prints one line,
 ``mixprec: error: <what and how to fix it>``, and exits with status 2; everything is checked before any
-training starts. A failure while training (a bug in the user's model) is one line too, naming the
+training starts. A compare in which every recipe failed (each run skipped all its steps for inf/NaN
+gradients) prints its table and exits with status 1: there is no result to read. A failure while training (a bug in the user's model) is one line too, naming the
 workload, module and op; ``--traceback`` (anywhere on the line) or ``MIXPREC_TRACEBACK=1`` shows it all.
 
 Each tool lives in its own subpackage, shaped the same way: ``run.py`` (plan and run), ``report.py`` (the
