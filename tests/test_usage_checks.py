@@ -213,3 +213,36 @@ def test_a_bare_step_with_compact_moments_is_refused():
     with pytest.raises(RuntimeError, match="compact in the engine's own AdamW"):
         mp.optimizer.step()
     mp.step()
+
+
+# ---------------------------------------------------------------- the model cast after the engine was built
+@pytest.mark.parametrize("recipe, cast", [("fp16", "half"), ("bf16", "bfloat16"), ("fp16-pure", "float")])
+def test_casting_the_model_after_building_the_engine_is_refused_at_step(recipe, cast):
+    # model.half() under fp16 left fp32-recipe weights in fp16 with no master copy: no error, no word.
+    mp = engine(recipe)
+    x, y = batches(1)[0]
+    getattr(mp.model, cast)()
+    mp.backward(forward(mp, x.to(next(mp.model.parameters()).dtype), y))
+    before = weights(mp)
+    with pytest.raises(RuntimeError, match=r"changed dtype after MixedPrecision was built \('0.weight' was "
+                                           r"\w+, now \w+\): was model.half\(\)"):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(mp))) and mp.steps == 0
+
+
+def test_trace_nonfinite_takes_a_bool_only():
+    with pytest.raises(TypeError, match="trace_nonfinite must be True or False, got 'no'"):
+        engine("fp16", trace_nonfinite="no")
+
+
+def test_the_autocast_warning_names_a_torch_autocast_of_the_users_own():
+    # Under torch.autocast(float16) the Linear ran in fp16: the warning said "the forward ran in fp32".
+    mp = engine("fp16")
+    x, y = batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert mp.model[0](x).dtype == torch.float16       # the Linear ran in fp16
+        loss = F.cross_entropy(mp.model(x), y)
+        with pytest.warns(UserWarning, match="a torch.autocast of your own is on here, so the forward ran in "
+                                             "its dtype and op lists, not the recipe's") as record:
+            mp.backward(loss)
+    assert "ran in fp32" not in str(record[0].message)

@@ -8,6 +8,8 @@ Each of these trains on, silently wrong, without a check:
 - ``step()`` twice without a new backward: the same (stale) gradients are applied twice;
 - every step skipped for inf/NaN gradients: nothing moves and, without a dynamic scale at its floor,
   nothing says so;
+- ``model.half()`` (or ``.to(dtype)``) after the engine was built: the recipe's fp32 weights become
+  16-bit with no master copy behind them, so small updates round away (or every step overflows);
 - ``optimizer.step()`` instead of ``mp.step()`` where the engine must do the step: under a loss scale
   the gradients still carry S (65536 under fp16, so SGD moves the weights S times too far and no
   inf/NaN step is skipped); under a master copy the optimizer holds fp32 copies that only
@@ -60,6 +62,14 @@ def bare_step_reason(recipe: Any, scaled: bool, master: bool, moments: bool) -> 
     return None
 
 
+def _autocast_query_ok(device_type: str) -> bool:
+    try:
+        torch.is_autocast_enabled(device_type)     # torch >= 2.4 takes a device type
+        return True
+    except TypeError:
+        return False
+
+
 def _compiling() -> bool:
     is_compiling = getattr(torch.compiler, "is_compiling", None)   # torch >= 2.3
     return bool(is_compiling and is_compiling())
@@ -88,6 +98,12 @@ class UsageChecks:
         self.warned_skips = False
         self.in_engine_step = False     # mp.step() is calling the optimizer: the guard lets it through
         self.bare_step_reason: str | None = None
+        self.dtype_probe: tuple[str, Any, torch.dtype] | None = None   # (name, parameter, dtype as built)
+
+    def remember_dtype(self, model: Any) -> None:
+        """Note one parameter's dtype as the recipe left it: a cast of the whole model changes it."""
+        name, param = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()), ("", None))
+        self.dtype_probe = (name, param, param.dtype) if param is not None else None
 
     # ----------------------------------------------------------------- the optimizer guard
     def guard_optimizer(self, optimizer: Any, reason: str | None) -> None:
@@ -120,14 +136,30 @@ class UsageChecks:
         self.via_engine = True
         if self.needs_autocast and not self.entered_autocast and not self.warned_autocast:
             self.warned_autocast = True
+            # Only what is known is said: mp.autocast() was not entered. A torch.autocast of the user's
+            # own may have run the forward in 16 bits (then the recipe's op lists and fp8 layers did not).
+            own = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda") if _autocast_query_ok(d))
+            how = ("a torch.autocast of your own is on here, so the forward ran in its dtype and op lists, "
+                   "not the recipe's" if own else
+                   f"without an autocast of your own the forward ran {self.outside}; under a "
+                   "torch.autocast of your own, in its dtype and op lists, not the recipe's")
             warnings.warn(
-                "mp.backward() was called but mp.autocast() was not entered since the last step: the "
-                f"forward ran {self.outside}. Run the forward inside `with mp.autocast():`",
-                UserWarning, stacklevel=3)
+                f"mp.backward() was called but mp.autocast() was not entered since the last step: {how}. "
+                "Run the forward inside `with mp.autocast():`", UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ before the step
     def check_before_step(self, model_grads: list[torch.Tensor]) -> None:
-        """Refuse a step whose gradients did not come from a new mp.backward(). Changes nothing."""
+        """Refuse a step whose gradients did not come from a new mp.backward(), or a model cast after the
+        engine was built (one dtype compared: host metadata). Changes nothing."""
+        probe = self.dtype_probe
+        if probe is not None and probe[1].dtype != probe[2]:
+            name, param, built = probe
+            raise RuntimeError(
+                f"the model's parameters changed dtype after MixedPrecision was built ({name!r} was "
+                f"{str(built).removeprefix('torch.')}, now {str(param.dtype).removeprefix('torch.')}): was "
+                "model.half() or model.to(dtype) called after it? The recipe decides the weights' dtype: "
+                "build the engine on the fp32 model and pick a recipe that keeps 16-bit weights with fp32 "
+                "master copies (e.g. 'fp16-pure', 'bf16-pure') instead of casting the model yourself")
         if self.via_engine:
             return
         if not _compiling() and self._same_grads_as_last_step(model_grads):
