@@ -178,6 +178,7 @@ def test_a_page_where_every_run_failed_plots_no_loss_and_no_accuracy():
         body = re.search(rf'<figure id="{plot}">(.*?)</figure>', page).group(1)
         assert "<img" not in body and words in body, body
         assert "Left out: fp16, fp32 (every step skipped" in body
+        assert "lower panel" not in body and "one point per evaluation" not in body   # no plot to describe
 
 
 def test_a_failed_run_is_left_out_of_the_loss_and_accuracy_plots_and_keeps_its_colour():

@@ -61,12 +61,14 @@ def render_html(report: CompareReport) -> str:
     hidden = frozenset(i for i, r in enumerate(report.runs) if failed(report, r))
     left_out = (f" Left out: {', '.join(labels[i] for i in sorted(hidden))} (every step skipped for inf/NaN "
                 "gradients, so not results)." if hidden else "")
+    none_trained = bool(report.runs) and len(hidden) == len(report.runs)    # captions without a plot to read
     figures = [
         _figure("plot-loss", _loss_plot(report.runs, labels, window, hidden),
-                _loss_caption(report, window) + left_out),
+                ("Train loss: none to plot." if none_trained else _loss_caption(report, window)) + left_out),
         _figure("plot-eval", _eval_plot(report, labels, hidden),
-                f"Test {report.metric} measured during training, one point per evaluation: {better} is "
-                f"better, and the last point is the table's test {report.metric}." + left_out),
+                (f"Test {report.metric}: none to plot." if none_trained else
+                 f"Test {report.metric} measured during training, one point per evaluation: {better} is "
+                 f"better, and the last point is the table's test {report.metric}.") + left_out),
         _figure("plot-scale", _scale_plot(report.runs, labels),
                 "Loss scale after each step (log2 axis) for the recipes that scale the loss: it drops "
                 "on each step skipped for an inf/NaN gradient (red x) and grows after a run of clean "
