@@ -161,7 +161,7 @@ def test_a_bare_optimizer_step_is_refused_where_only_mp_step_steps_right(recipe,
     mp.zero_grad()
     mp.backward(forward(mp, *batch[1]))
     before, state, scale = weights(mp), _opt_state(mp.optimizer), mp.scale
-    reason = "fp32 copies" if recipe == "bf16-pure" else "loss scale S"
+    reason = "loss scale S" if recipe == "fp16" else "fp32 copies"
     with pytest.raises(RuntimeError, match=rf"step\(\) was called directly, but .*{reason}.*Call mp.step\(\)"):
         mp.optimizer.step()
     # Refused before anything moved: weights, optimizer state and the loss scale as they were.
@@ -191,6 +191,27 @@ def test_a_bare_optimizer_step_is_left_alone_where_it_is_correct(opt):
             mp.backward(loss)
             mp.step()
         runs.append(weights(mp))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_bare_step_after_loss_backward_under_fp16_is_the_users_own_loop():
+    # Only mp.autocast() used (benchmarks/bench_oplists.py): loss.backward() leaves unscaled gradients,
+    # and optimizer.step() on them is plain torch.autocast: not refused, and equal to a loop without mixprec.
+    runs = []
+    for use_engine in (True, False):
+        model = tiny_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        mp = MixedPrecision(model, opt, "fp16") if use_engine else None
+        for x, y in batches(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+        if mp is not None:      # and once mp.backward() scaled them, the bare step is refused
+            mp.backward(forward(mp, *batches(1)[0]))
+            with pytest.raises(RuntimeError, match="multiplied these gradients by the loss scale S"):
+                opt.step()
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 

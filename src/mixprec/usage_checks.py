@@ -10,10 +10,11 @@ Each of these trains on, silently wrong, without a check:
   nothing says so;
 - ``model.half()`` (or ``.to(dtype)``) after the engine was built: the recipe's fp32 weights become
   16-bit with no master copy behind them, so small updates round away (or every step overflows);
-- ``optimizer.step()`` instead of ``mp.step()`` where the engine must do the step: under a loss scale
-  the gradients still carry S (65536 under fp16, so SGD moves the weights S times too far and no
-  inf/NaN step is skipped); under a master copy the optimizer holds fp32 copies that only
-  ``mp.step()`` fills and rounds back. A step pre-hook on the optimizer refuses the call.
+- ``optimizer.step()`` instead of ``mp.step()`` where the engine must do the step: after
+  ``mp.backward`` under a loss scale the gradients carry S (65536 under fp16, so SGD moves the
+  weights S times too far and no inf/NaN step is skipped); under a master copy the optimizer holds
+  fp32 copies that only ``mp.step()`` fills and rounds back. A step pre-hook on the optimizer refuses
+  the call.
 
 The checks cost no host-device sync: the optimizer guard reads one Python flag per ``optimizer.step()``
 (and is not installed at all where a bare step is correct, e.g. ``bf16``); the next three read Python-side flags and the gradients'
@@ -46,20 +47,22 @@ SKIP_WARNING_AFTER = 10
 _GUARDS: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDictionary()
 
 
-def bare_step_reason(recipe: Any, scaled: bool, master: bool, moments: bool) -> str | None:
-    """Why a bare ``optimizer.step()`` trains wrong under this engine, or None where it is correct."""
-    if scaled:
-        return ("its gradients still carry the loss scale S (65536 at the start under fp16): the update "
-                "would be S times too large, unclipped, and a step with inf/NaN gradients would not be "
-                "skipped")
+def bare_step_reason(recipe: Any, scaled: bool, master: bool, moments: bool) -> tuple[str | None, bool]:
+    """Why a bare ``optimizer.step()`` trains wrong under this engine (None where it is correct), and
+    whether always (True) or only on gradients ``mp.backward`` scaled (False)."""
     if master:
         return (f"under recipe {recipe.label!r} the optimizer holds fp32 copies of the 16-bit weights, which "
                 "only mp.step() fills with gradients and rounds back into the model: a bare step would "
-                "leave the model unchanged")
+                "leave the model unchanged", True)
     if moments:
         return (f"recipe {recipe.label!r} keeps Adam's moments compact in the engine's own AdamW: a bare "
-                "step would run your optimizer's own update instead")
-    return None
+                "step would run your optimizer's own update instead", True)
+    if scaled:
+        # After loss.backward() (no scale) a bare step is the user's own autocast loop: left alone.
+        return ("mp.backward() multiplied these gradients by the loss scale S (65536 at the start under "
+                "fp16): the update would be S times too large, unclipped, and a step with inf/NaN "
+                "gradients would not be skipped", False)
+    return None, False
 
 
 def _autocast_query_ok(device_type: str) -> bool:
@@ -98,6 +101,7 @@ class UsageChecks:
         self.warned_skips = False
         self.in_engine_step = False     # mp.step() is calling the optimizer: the guard lets it through
         self.bare_step_reason: str | None = None
+        self.bare_step_always = False   # else refused only on gradients mp.backward() scaled
         self.dtype_probe: tuple[str, Any, torch.dtype] | None = None   # (name, parameter, dtype as built)
 
     def remember_dtype(self, model: Any) -> None:
@@ -106,8 +110,9 @@ class UsageChecks:
         self.dtype_probe = (name, param, param.dtype) if param is not None else None
 
     # ----------------------------------------------------------------- the optimizer guard
-    def guard_optimizer(self, optimizer: Any, reason: str | None) -> None:
-        """Make a bare ``optimizer.step()`` raise (with ``reason``) unless ``mp.step()`` is calling it.
+    def guard_optimizer(self, optimizer: Any, reason: tuple[str | None, bool]) -> None:
+        """Make a bare ``optimizer.step()`` raise (with ``bare_step_reason``'s text) unless ``mp.step()``
+        is calling it: always, or (under a loss scale alone) when ``mp.backward`` made the gradients.
 
         The hook goes on the innermost torch optimizer (Accelerate's wrapper delegates its step to it),
         and replaces a guard an earlier engine left there. ``reason`` None installs nothing: a bare step
@@ -118,13 +123,13 @@ class UsageChecks:
         old = _GUARDS.pop(optimizer, None)
         if old is not None:
             old.remove()
-        self.bare_step_reason = reason
-        if reason is not None and hasattr(optimizer, "register_step_pre_hook"):
+        self.bare_step_reason, self.bare_step_always = reason
+        if self.bare_step_reason is not None and hasattr(optimizer, "register_step_pre_hook"):
             _GUARDS[optimizer] = optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # One Python flag per optimizer.step(); raising here leaves weights and state untouched.
-        if not self.in_engine_step:
+        if not self.in_engine_step and (self.bare_step_always or self.via_engine):
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() was called directly, but {self.bare_step_reason}. "
                 "Call mp.step() instead: it unscales, clips, skips inf/NaN steps and calls "
