@@ -134,6 +134,9 @@ def test_report_file_reads_back_into_an_equal_report(report_path):
     (["compare", "--steps", "1", "--json", "/nonexistent-dir/sub/report.json"], "does not exist"),
     (["frobnicate"], "frobnicate"),
     (["compare", "--steps", "1", "--parallel", "fsdp"], "--parallel fsdp needs --nproc N"),
+    (["compare", "--steps", "1", "--threads", "9999"], "more than the"),         # ran at 3 samples/s
+    (["compare", "--steps", "99999999999999999999"], "at most 1,000,000"),        # was accepted
+    (["doctor", "--steps", "1000001"], "at most 1,000,000"),
 ])
 def test_user_mistakes_print_one_line_and_exit_2(args, word):
     proc = _cli(*args)
@@ -443,3 +446,53 @@ def test_recipe_words_let_a_named_recipe_be_tweaked_on_the_command_line():
     # Every key that is not params/compute/master edits the recipe before it, the memory keys too.
     assert _recipe_words(["fp32,bf16,saved=exact,bf16-sr,moments=bf16-sr"]) == [
         "fp32", "bf16,saved=exact", "bf16-sr,moments=bf16-sr"]
+
+
+NAN_WORKLOAD = '''
+import torch, torch.nn.functional as F
+from torch import nn
+from mixprec.lab.workloads import Split
+
+class NanModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+    def forward(self, x):
+        return self.fc(x) * float("nan")      # every loss and gradient is NaN, under every recipe
+
+def nan_model():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(80, 4, generator=g), torch.randint(0, 2, (80,), generator=g)
+    return {"model": NanModel, "data": Split(x[:64], y[:64], x[64:], y[64:]), "loss": F.cross_entropy,
+            "optimizer": lambda p: torch.optim.SGD(p, lr=0.1), "batch_size": 16}
+'''
+
+
+def test_a_compare_in_which_every_recipe_failed_exits_1(tmp_path, monkeypatch, capsys):
+    # Was exit 0 with every run marked FAILED: a script could not tell it from a result.
+    from mixprec.lab.cli import main
+    (tmp_path / "nan_workload.py").write_text(NAN_WORKLOAD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["compare", "--workload", "nan_workload:nan_model", "--steps", "3", "--device", "cpu",
+            "--threads", "1", "--json", str(tmp_path / "r.json")]
+    assert main(args + ["--recipes", "fp16,fp32"]) == 1
+    captured = capsys.readouterr()
+    assert "fp16 FAILED" in captured.out and "fp32 FAILED" in captured.out     # the table and notes still print
+    assert captured.err.strip().splitlines()[-1].startswith("mixprec: error: every recipe failed: all 3 steps")
+    assert (tmp_path / "r.json").exists()                                      # and the report is written
+
+
+def test_a_gpu_benchmark_on_the_cpu_says_it_will_be_slow_before_it_starts(monkeypatch, capsys):
+    # compare --workload gpt2 --device cpu --steps 1 printed nothing for 300 s.
+    from mixprec.lab.cli import main
+    from mixprec.lab.compare import cli as compare_cli
+
+    def interrupted(plan, console):
+        raise KeyboardInterrupt       # stop before the first step: only what is printed before it counts
+    monkeypatch.setattr(compare_cli, "_run_with_progress", interrupted)
+    assert main(["compare", "--benchmark", "gpt2", "--device", "cpu", "--steps", "1", "--recipes", "fp32,bf16"]) == 130
+    err = capsys.readouterr().err
+    assert "mixprec: note: gpt2 is a benchmark sized for GPUs: on the CPU one step can take minutes" in err
+    assert "(2 recipe(s) x 1 step(s))" in err
+    assert main(["compare", "--workload", "mlp", "--device", "cpu", "--steps", "1"]) == 130
+    assert "note" not in capsys.readouterr().err          # the built-in CPU workloads take seconds

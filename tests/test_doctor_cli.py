@@ -1,11 +1,13 @@
 """``mixprec doctor`` end to end in a subprocess: the report (JSON, HTML, table) and every usage error."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixprec.diagnostics.range_collector import KINDS
 from mixprec.lab.cli import main
@@ -68,6 +70,34 @@ def test_report_round_trips_and_renders(run):
     assert "loss scale:" in proc.stdout and "grad<2^-24" in proc.stdout
 
 
+def test_the_page_has_an_index_to_every_layer(run):
+    # The gpt page is ~8,300 px of histograms: each layer's figure is one link away.
+    _, out = run
+    page = (out / "doctor.html").read_text()
+    report = DoctorReport.from_json((out / "doctor.json").read_text())
+    index = re.search(r'<nav class="index" id="layer-index">(.*?)</nav>', page).group(1)
+    targets = re.findall(r'href="#([^"]+)"', index)
+    assert targets == [f"plot-{m.name or 'model'}" for m in report.modules]
+    assert all(f'<figure id="{t}">' in page for t in targets)
+    top = re.search(r'<nav class="top">(.*?)</nav>', page).group(1)
+    assert all(f'id="{t}"' in page for t in re.findall(r'href="#([^"]+)"', top))
+
+
+def test_histogram_legends_sit_above_the_axes_not_over_the_bars():
+    # A "best" legend covered bars (beam layer 2, gpt blocks.0.ln_1): it now sits wholly above the axes.
+    from mixprec.diagnostics.range_histogram import RangeHistogram
+    from mixprec.lab.doctor.html import _layer_figure
+    hist = RangeHistogram("cpu")
+    hist.add(torch.logspace(-30, 10, 200, base=2.0))
+    stats = hist.result()
+    fig = _layer_figure(stats, stats, shift=8, run_shift=16)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert legend.y0 >= ax.get_window_extent(renderer).y1 - 1     # above the plotting area
+
+
 def test_a_non_fp8_run_has_no_fp8_section(run):
     proc, out = run
     data = json.loads((out / "doctor.json").read_text())
@@ -75,7 +105,7 @@ def test_a_non_fp8_run_has_no_fp8_section(run):
     report = DoctorReport.from_json(json.dumps(data))
     assert report.fp8_layers == () and report.fp8_swap is None
     assert render_fp8_findings(report) == [] and fp8_swap_lines(report.fp8_swap) == []
-    assert "fp8 tensors" not in proc.stdout and "<h2>fp8</h2>" not in (out / "doctor.html").read_text()
+    assert "fp8 tensors" not in proc.stdout and 'id="fp8"' not in (out / "doctor.html").read_text()
 
 
 def test_bad_json_is_refused():

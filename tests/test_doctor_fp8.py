@@ -2,8 +2,10 @@
 
 import contextlib
 import dataclasses
+import html
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -100,7 +102,19 @@ def test_table_findings_and_page_name_the_fp8_tensors(fp8_run):
     assert "does not scale the loss" not in stdout and "fp16's flush" not in stdout
     for line in findings:
         assert f"- {line}" in stdout
-    assert "<h2>fp8</h2>" in page and "grad_output" in page and "pad to (16, 256)" in page
+    assert '<h2 id="fp8">fp8</h2>' in page and "grad_output" in page and "pad to (16, 256)" in page
+
+
+def test_the_fp8_page_leads_with_fp8_and_plots_its_flush_and_saturation(fp8_run):
+    # The page led with fp16 loss-scale advice and drew fp16's loss-scale outlines; fp8's own flushed and
+    # saturated shares were only in a table.
+    _, report, _, page = fp8_run
+    findings = re.findall(r"<li>(.*?)</li>", re.search(r'<ul class="notes" id="findings">(.*?)</ul>', page).group(1))
+    fp8_lines = render_fp8_findings(report)
+    assert findings[:len(fp8_lines)] == [html.escape(line) for line in fp8_lines]
+    assert '<figure id="plot-fp8"><img' in page and "flushed to zero (red) and saturated" in page
+    assert "(recommended)" not in page and "green outline" not in page
+    assert html.escape("fp16's range, for reference") in page
 
 
 def _with(report: DoctorReport, **changes) -> DoctorReport:

@@ -55,6 +55,17 @@ def step(mp, seed=0):
     return loss
 
 
+def test_a_skip_pattern_matching_no_linear_is_refused_before_anything_changes():
+    # fp8=current(skip=blocks.*.atn) was accepted: the layers it meant to keep out went fp8.
+    model = Net()
+    with pytest.raises(ValueError, match=r"fp8 skip='blocks\.\*\.0\.x' matches no nn.Linear of Net .*did you mean"):
+        MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                       "compute=bf16,fp8=current(skip=blocks.*.0.x)")
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())      # nothing was swapped
+    with pytest.raises(ValueError, match=r"fp8 skip='lm_head' matches no nn.Linear of Net .*did you mean 'head'\?"):
+        engine("compute=bf16,fp8=current(skip=lm_head)")
+
+
 def test_swap_report_says_what_was_swapped_and_why_not():
     params_before = [id(p) for p in Net().parameters()]
     mp = engine("compute=bf16,fp8=current(skip=blocks.1.*,skip_last=true)")

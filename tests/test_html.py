@@ -156,9 +156,41 @@ def test_a_run_with_nan_and_inf_losses_renders_and_says_where_it_went_non_finite
     assert "fp16-pure (non-finite from step 25)" in legend
 
 
-def test_every_loss_non_finite_still_renders():
+def test_every_loss_non_finite_still_renders_and_says_so_instead_of_an_empty_axis():
+    # Was an empty loss axis (0.96..1.04) that looked like a plot of something.
     dead = _run("fp16", losses=(math.nan,) * STEPS, eval_metrics=(math.nan,) * 4, final_loss=math.nan)
-    assert list(_images(render_html(_report(dead)))) == PLOT_IDS
+    page = render_html(_report(dead))
+    assert list(_images(page)) == [p for p in PLOT_IDS if p != "plot-loss"]
+    loss = re.search(r'<figure id="plot-loss">(.*?)</figure>', page).group(1)
+    assert "no finite loss to plot" in loss
+
+
+def _all_skipped(name):
+    # Every step skipped for inf/NaN gradients: the weights never moved; the metric is the initial model's.
+    return _run(name, losses=(math.nan,) * STEPS, final_loss=math.nan, skipped_steps=STEPS,
+                skipped_at=tuple(range(STEPS)), eval_metrics=(0.36,) * 4, test_metric=0.36)
+
+
+def test_a_page_where_every_run_failed_plots_no_loss_and_no_accuracy():
+    # Issue 26: the page drew an empty loss axis and plotted the accuracy of runs it called "not results".
+    page = render_html(_report(_all_skipped("fp16"), _all_skipped("fp32")))
+    for plot, words in (("plot-loss", "no run trained"), ("plot-eval", "no test accuracy is a result")):
+        body = re.search(rf'<figure id="{plot}">(.*?)</figure>', page).group(1)
+        assert "<img" not in body and words in body, body
+        assert "Left out: fp16, fp32 (every step skipped" in body
+        assert "lower panel" not in body and "one point per evaluation" not in body   # no plot to describe
+
+
+def test_a_failed_run_is_left_out_of_the_loss_and_accuracy_plots_and_keeps_its_colour():
+    report = _report(_run("fp32"), _all_skipped("fp16"), _run("bf16"))
+    fig = _loss_plot(report.runs, ["fp32", "fp16", "bf16"], window=1, hidden=frozenset({1}))
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["fp32", "bf16"]
+    colours = [line.get_color() for line in fig.axes[0].get_lines() if line.get_label() in legend]
+    assert colours == ["#1f77b4", "#2ca02c"]        # bf16 keeps the third colour, as in the other plots
+    page = render_html(report)
+    assert list(_images(page)) == PLOT_IDS
+    assert "Left out: fp16 (every step skipped" in re.search(r'<figure id="plot-eval">(.*?)</figure>', page).group(1)
 
 
 def test_no_loss_scaling_anywhere_says_so_instead_of_an_empty_plot():

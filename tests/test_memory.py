@@ -160,3 +160,22 @@ def test_saved_activations_split_by_op_and_dtype_by_hand():
     assert meter.groups == {("no grad_fn", "bfloat16"): 64, ("Relu", "bfloat16"): 48,
                             ("cast of a weight", "bfloat16"): 12}
     assert meter.by_dtype == {"bfloat16": 124} and meter.bytes == 124
+
+
+def test_memory_report_says_what_to_fix_for_a_missing_loss_fn_and_integer_inputs():
+    # Were "forward() takes 2 positional arguments but 3 were given" and torch's dtype mismatch (or, with
+    # measure=False, a prediction for a forward that cannot run).
+    model = tiny_model()
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    with pytest.raises(ValueError, match=r"as positional inputs.*give the loss: memory_report\(model, recipe, "
+                                         r"\(x, y\), loss_fn=F.cross_entropy\)"):
+        memory_report(model, "fp16", (x, y))
+    for measure in (False, True):
+        with pytest.raises(ValueError, match="the batch's inputs are int64 and Sequential has no nn.Embedding to "
+                                             r"take integer ids: pass floating-point inputs \(e.g. x.float\(\)\)"):
+            memory_report(model, "fp16", (x.long(), y), loss_fn=F.cross_entropy, measure=measure)
+    # Token ids into a model with an embedding are what it expects.
+    lm = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))
+    ids = torch.randint(0, 10, (2, 5))
+    report = memory_report(lm, "fp16", (ids, ids), loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
+    assert report.predicted.params == (80 + 80 + 10) * 4

@@ -113,6 +113,20 @@ def test_a_pattern_matching_no_module_names_the_close_ones():
         parse_recipe("bf16-pure,modules=lm_head:fp16")
 
 
+def test_an_fp32_modules_name_matching_no_class_is_refused_before_anything_changes():
+    # "fp16-pure,fp32_modules=LayerNrom" matched nothing and cast the norms to fp16 without a word.
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = [list(g["params"]) for g in opt.param_groups]
+    with pytest.raises(ValueError, match=r"fp32_modules=LayerNrom matches no module class of Tiny .*did you "
+                                         r"mean LayerNorm\?"):
+        MixedPrecision(model, opt, "fp16-pure,fp32_modules=LayerNrom")
+    assert all(p.dtype == torch.float32 for p in model.parameters())            # nothing was cast
+    assert [list(g["params"]) for g in opt.param_groups] == groups              # no master copies wired in
+    _engine(Tiny(), "fp16-pure,fp32_modules=LayerNorm+Norm")    # substrings of a class name match
+    _engine(Tiny(), "bf16,fp32_modules=LayerNrom")      # fp32_modules applies to pure recipes only
+
+
 def test_regions_survive_an_exception_in_forward():
     model = Tiny()
     _engine(model, "params=fp32,compute=fp32,modules=lm_head:bf16")

@@ -142,3 +142,128 @@ def test_the_skip_warning_points_at_last_overflow_when_tracing():
     mp = engine("bf16", trace_nonfinite=True)
     with pytest.warns(RuntimeWarning, match="mp.last_overflow names the module and op"):
         nan_loss_run(mp, SKIP_WARNING_AFTER)
+
+
+# ------------------------------------------------------------------ optimizer.step() instead of mp.step()
+def _opt_state(opt):
+    return [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in opt.state.values()]
+
+
+@pytest.mark.parametrize("opt", ["sgd-momentum", "sgd-momentum-fused", "adamw-foreach", "adamw-fused"])
+@pytest.mark.parametrize("recipe", ["fp16", "fp16-pure", "bf16-pure"])
+def test_a_bare_optimizer_step_is_refused_where_only_mp_step_steps_right(recipe, opt):
+    # fp16: the gradients carry S = 65536 (SGD would move the weights 65536x too far); the pure
+    # recipes: the optimizer holds fp32 copies that only mp.step() fills and rounds back.
+    mp = engine(recipe, opt)
+    batch = batches(2)
+    mp.backward(forward(mp, *batch[0]))
+    mp.step()                                  # mp.step()'s own optimizer.step() goes through
+    mp.zero_grad()
+    mp.backward(forward(mp, *batch[1]))
+    before, state, scale = weights(mp), _opt_state(mp.optimizer), mp.scale
+    reason = "loss scale S" if recipe == "fp16" else "fp32 copies"
+    with pytest.raises(RuntimeError, match=rf"step\(\) was called directly, but .*{reason}.*Call mp.step\(\)"):
+        mp.optimizer.step()
+    # Refused before anything moved: weights, optimizer state and the loss scale as they were.
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(mp)))
+    for a, b in zip(state, _opt_state(mp.optimizer)):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                                            for k in a)
+    assert mp.scale == scale and mp.steps == 1
+    mp.step()                                  # and the engine's step still runs after the refusal
+    assert mp.steps == 2 and not all(torch.equal(a, b) for a, b in zip(before, weights(mp)))
+
+
+@pytest.mark.parametrize("opt", ["sgd-momentum", "adamw-fused"])
+def test_a_bare_optimizer_step_is_left_alone_where_it_is_correct(opt):
+    # bf16 (S = 1, fp32 weights): optimizer.step() after loss.backward() is torch's own bf16 loop, so
+    # no guard is installed at all, and it equals mp.step() bit for bit.
+    runs = []
+    for bare in (False, True):
+        mp = engine("bf16", opt)
+        x, y = batches(1)[0]
+        assert not mp.optimizer._optimizer_step_pre_hooks
+        loss = forward(mp, x, y)
+        if bare:
+            loss.backward()
+            mp.optimizer.step()
+        else:
+            mp.backward(loss)
+            mp.step()
+        runs.append(weights(mp))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_bare_step_after_loss_backward_under_fp16_is_the_users_own_loop():
+    # Only mp.autocast() used (benchmarks/bench_oplists.py): loss.backward() leaves unscaled gradients,
+    # and optimizer.step() on them is plain torch.autocast: not refused, and equal to a loop without mixprec.
+    runs = []
+    for use_engine in (True, False):
+        model = tiny_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        mp = MixedPrecision(model, opt, "fp16") if use_engine else None
+        for x, y in batches(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+        if mp is not None:      # and once mp.backward() scaled them, the bare step is refused
+            mp.backward(forward(mp, *batches(1)[0]))
+            with pytest.raises(RuntimeError, match="multiplied these gradients by the loss scale S"):
+                opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_later_engine_on_the_same_optimizer_replaces_the_guard():
+    # The first engine's flag is never set again: its guard must not refuse the second engine's steps.
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    MixedPrecision(model, opt, "fp16")
+    mp = MixedPrecision(model, opt, "fp16")
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    mp.backward(forward(mp, *batches(1)[0]))
+    assert not mp.step().skipped
+    MixedPrecision(model, opt, "bf16")              # bf16 needs no guard: the old one is removed too
+    assert not opt._optimizer_step_pre_hooks
+
+
+def test_a_bare_step_with_compact_moments_is_refused():
+    mp = engine("bf16,moments=bf16", "adamw-foreach")
+    mp.backward(forward(mp, *batches(1)[0]))
+    with pytest.raises(RuntimeError, match="compact in the engine's own AdamW"):
+        mp.optimizer.step()
+    mp.step()
+
+
+# ---------------------------------------------------------------- the model cast after the engine was built
+@pytest.mark.parametrize("recipe, cast", [("fp16", "half"), ("bf16", "bfloat16"), ("fp16-pure", "float")])
+def test_casting_the_model_after_building_the_engine_is_refused_at_step(recipe, cast):
+    # model.half() under fp16 left fp32-recipe weights in fp16 with no master copy: no error, no word.
+    mp = engine(recipe)
+    x, y = batches(1)[0]
+    getattr(mp.model, cast)()
+    mp.backward(forward(mp, x.to(next(mp.model.parameters()).dtype), y))
+    before = weights(mp)
+    with pytest.raises(RuntimeError, match=r"changed dtype after MixedPrecision was built \('0.weight' was "
+                                           r"\w+, now \w+\): was model.half\(\)"):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(mp))) and mp.steps == 0
+
+
+def test_trace_nonfinite_takes_a_bool_only():
+    with pytest.raises(TypeError, match="trace_nonfinite must be True or False, got 'no'"):
+        engine("fp16", trace_nonfinite="no")
+
+
+def test_the_autocast_warning_names_a_torch_autocast_of_the_users_own():
+    # Under torch.autocast(float16) the Linear ran in fp16: the warning said "the forward ran in fp32".
+    mp = engine("fp16")
+    x, y = batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert mp.model[0](x).dtype == torch.float16       # the Linear ran in fp16
+        loss = F.cross_entropy(mp.model(x), y)
+        with pytest.warns(UserWarning, match="a torch.autocast of your own is on here, so the forward ran in "
+                                             "its dtype and op lists, not the recipe's") as record:
+            mp.backward(loss)
+    assert "ran in fp32" not in str(record[0].message)

@@ -11,6 +11,7 @@ import importlib as _importlib
 import warnings as _warnings
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint_read import CheckpointInfo, read_checkpoint
 from .chunked_loss import cross_entropy
 from .devices import Support, supports
 from .diagnostics.memory_report import MemoryReport, memory_report
@@ -32,7 +33,8 @@ __all__ = [
     # number formats
     "Format", "FORMATS", "get_format", "FP32", "TF32", "FP16", "BF16", "FP8_E4M3", "FP8_E5M2",
     # checkpoints, memory, capabilities
-    "save_checkpoint", "load_checkpoint", "memory_report", "MemoryReport", "supports", "Support",
+    "save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointInfo", "memory_report", "MemoryReport",
+    "supports", "Support",
     # the errors and warnings
     "CheckpointError", "Fp8EmulationWarning",
 ]

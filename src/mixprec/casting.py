@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .buffers import cast_buffers
-from .recipe import Precision, Recipe
+from .recipe import DEFAULT_FP32_MODULES, Precision, Recipe
 
 __all__ = ["keeps_fp32", "module_precisions", "check_module_patterns", "low_precision_params",
            "cast_model", "cast_floating"]
@@ -91,8 +91,18 @@ def module_precisions(model: nn.Module, recipe: Recipe) -> dict[str, Precision]:
 
 
 def check_module_patterns(model: nn.Module, recipe: Recipe) -> None:
-    """ValueError for a ``modules`` pattern that matches no module of ``model``, naming close matches."""
+    """ValueError for a ``modules`` pattern, or an ``fp32_modules`` class name a pure recipe was given,
+    that matches no module of ``model``, naming close matches (a typo would leave norms 16-bit)."""
     names = {n: type(m).__name__ for n, m in model.named_modules() if n}
+    if recipe.param.is_low and recipe.fp32_modules != DEFAULT_FP32_MODULES:
+        classes = sorted(set(names.values()) | {type(model).__name__})
+        for word in recipe.fp32_modules:
+            if not any(word in c for c in classes):
+                close = difflib.get_close_matches(word, classes, n=4, cutoff=0.5)
+                raise ValueError(
+                    f"fp32_modules={word} matches no module class of {type(model).__name__} (a substring of "
+                    f"a class name keeps that module fp32); "
+                    + (f"did you mean {', '.join(close)}?" if close else f"its classes: {', '.join(classes[:8])}"))
     for pattern, precision in recipe.modules:
         if any(fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(c, pattern) for n, c in names.items()):
             continue

@@ -8,7 +8,10 @@ torch, CUDA, ``random`` and NumPy, and the user's extras::
     extra = load_checkpoint("run/step_1000.ckpt", mp, scheduler=sched)
 
 File layout: a magic line, the payload's length (8 bytes, little endian) and SHA-256 (32 bytes), then
-the payload as ``torch.save`` wrote it. The file is written under a temporary name in the same folder,
+the payload as ``torch.save`` wrote it. The magic line starts with a tiny pickle that names
+``use_mixprec_read_checkpoint``: ``torch.load`` on the file fails on that name (weights_only) or runs
+it, and it raises an error saying how to open the file (``mixprec.read_checkpoint``, ``mixprec ckpt
+show``), where a bare header gave "Unsupported operand 80". Files written with the v1 line still load. The file is written under a temporary name in the same folder,
 flushed to disk and renamed over the target, so a crash leaves the old checkpoint or the new one,
 never half of one.
 """
@@ -33,12 +36,23 @@ from .engine import MixedPrecision
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 
-_MAGIC = b"MIXPREC-CHECKPOINT v1\n"
-_HEADER = len(_MAGIC) + 8 + 32
+# protocol 2, GLOBAL mixprec.checkpoint.use_mixprec_read_checkpoint, (), REDUCE, STOP: what torch.load meets.
+_TORCH_LOAD_TRAP = b"\x80\x02cmixprec.checkpoint\nuse_mixprec_read_checkpoint\n)R."
+_MAGIC = _TORCH_LOAD_TRAP + b"MIXPREC-CHECKPOINT v2\n"
+_MAGICS = (_MAGIC, b"MIXPREC-CHECKPOINT v1\n")     # what read_verified accepts, newest first
 
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, altered, or does not fit the engine it is loaded into."""
+
+
+def use_mixprec_read_checkpoint() -> None:
+    """What ``torch.load`` (or ``pickle.load``) on a mixprec checkpoint runs first: an error with the way in."""
+    raise CheckpointError("this is a mixprec checkpoint: a checksummed header sits before torch.save's "
+                          "payload, so torch.load cannot read it. Open it with "
+                          "mixprec.read_checkpoint(path) (returns what it holds, verified; .state is the "
+                          "payload), or from a shell with `mixprec ckpt show PATH`; resume with "
+                          "mixprec.load_checkpoint(path, engine)")
 
 
 def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, scheduler: Any = None,
@@ -145,13 +159,16 @@ def read_verified(path: Path, device: torch.device, weights_only: bool = True) -
                               "load_distributed_checkpoint)") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: could not be read ({exc.strerror or exc})") from None
-    if not data.startswith(_MAGIC):
+    # A file cut inside the magic line still names itself: it is a truncated checkpoint.
+    magic = next((m for m in _MAGICS if data.startswith(m) or (data and m.startswith(data))), None)
+    if magic is None:
         raise CheckpointError(f"{path}: not a mixprec checkpoint (no mixprec header)")
-    if len(data) < _HEADER:
+    header = len(magic) + 8 + 32
+    if len(data) < header:
         raise CheckpointError(f"{path}: truncated inside its header ({len(data)} bytes)")
-    length = int.from_bytes(data[len(_MAGIC):len(_MAGIC) + 8], "little")
-    digest = data[len(_MAGIC) + 8:_HEADER]
-    payload = data[_HEADER:]
+    length = int.from_bytes(data[len(magic):len(magic) + 8], "little")
+    digest = data[len(magic) + 8:header]
+    payload = data[header:]
     if len(payload) != length:
         raise CheckpointError(f"{path}: truncated or padded: the header promises {length} bytes of "
                               f"payload, the file holds {len(payload)}")

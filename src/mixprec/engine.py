@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .casting import cast_model, keeps_fp32, low_precision_params
+from .casting import cast_model, check_module_patterns, keeps_fp32, low_precision_params
 from .checkpoint_check import check_engine_state
 from .compact_adamw import CompactAdamW
 from .devices import supports
@@ -39,7 +39,7 @@ from .grad_norm import GradNorm
 from .grad_sync import GradSync, GroupChoice, SyncKind
 from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
-from .fp8.swap import Fp8SwapReport, resolve_backend, swap_to_fp8
+from .fp8.swap import Fp8SwapReport, check_fp8_patterns, resolve_backend, swap_to_fp8
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
 from .master import MasterWeights
 from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
@@ -47,7 +47,7 @@ from .oplists import op_list_mode
 from .optimizer_step import (fused_optimizer_step, fused_step_ok, generic_optimizer_step, master_whole,
                              optimizer_grads, unscale_and_clip)
 from .recipe import Precision, Recipe, get_recipe
-from .usage_checks import UsageChecks
+from .usage_checks import UsageChecks, bare_step_reason
 from .recipe.moments import Moments
 from .saved16 import Saved, SavedPacker
 from .step_result import StepObserver, StepResult
@@ -94,6 +94,8 @@ class MixedPrecision:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(trace_nonfinite, bool):    # "no" would be truthy
+            raise TypeError(f"trace_nonfinite must be True or False, got {trace_nonfinite!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm}")
         params = list(model.parameters())
@@ -116,6 +118,10 @@ class MixedPrecision:
         if not support.ok:
             raise ValueError(f"recipe {self.recipe.label!r} cannot run on {self.device}: {support.reason}")
 
+        # Patterns that match nothing are typos: refused here, before the optimizer or model is touched.
+        check_module_patterns(model, self.recipe)
+        if self.recipe.fp8 is not None:
+            check_fp8_patterns(model, self.recipe.fp8)
         self.model = model
         self.optimizer = optimizer
         self.clip_grad_norm = clip_grad_norm
@@ -164,6 +170,12 @@ class MixedPrecision:
         # Misuse that would train on silently wrong (usage_checks): flags and counters, no host sync.
         self._checks = UsageChecks(self.recipe, not isinstance(self.loss_scale, NoLossScale), self.device)
         self._checks.traced = trace_nonfinite
+        self._checks.remember_dtype(model)     # model.half() after this point is refused at step()
+        # A bare optimizer.step() where only mp.step() steps right (a loss scale, fp32 copies, compact
+        # moments) raises; nothing is installed where it is correct (bf16, fp32).
+        self._checks.guard_optimizer(optimizer, bare_step_reason(
+            self.recipe, not isinstance(self.loss_scale, NoLossScale), self.master is not None,
+            self.moments is not None))
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
         self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
         self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep

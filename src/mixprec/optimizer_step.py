@@ -148,10 +148,15 @@ def update(engine: MixedPrecision, inv_divisor: torch.Tensor | None) -> None:
     if engine.moments is not None:
         step_fn = engine.moments.step
         engine.optimizer._opt_called = True  # type: ignore[attr-defined]  # for LR schedulers: it stepped
-    if engine.master is None or master_whole(engine):
-        if inv_divisor is not None:
-            # Every gradient the optimizer holds is fp32 here (copies filled by pull_grads).
-            torch._foreach_mul_(optimizer_grads(engine), inv_divisor)
-        step_fn()
-    else:
-        engine.master.step(engine.optimizer, step_fn, inv_divisor)
+    checks = engine._checks
+    checks.in_engine_step = True     # the optimizer's guard (usage_checks) lets these calls through
+    try:
+        if engine.master is None or master_whole(engine):
+            if inv_divisor is not None:
+                # Every gradient the optimizer holds is fp32 here (copies filled by pull_grads).
+                torch._foreach_mul_(optimizer_grads(engine), inv_divisor)
+            step_fn()
+        else:
+            engine.master.step(engine.optimizer, step_fn, inv_divisor)
+    finally:
+        checks.in_engine_step = False

@@ -69,7 +69,10 @@ class CompiledStep:
         opt = self.engine.optimizer
         opt.grad_scale = self.grad_scale if divides(self.engine) else None   # type: ignore[attr-defined]
         opt.found_inf = self.found_inf                            # type: ignore[attr-defined]
+        checks = self.engine._checks
+        checks.in_engine_step = True     # the optimizer's guard (usage_checks) lets the graph's step through
         try:
             return self.compiled(grads)
         finally:
+            checks.in_engine_step = False
             del opt.grad_scale, opt.found_inf                     # type: ignore[attr-defined]

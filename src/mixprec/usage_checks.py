@@ -7,9 +7,17 @@ Each of these trains on, silently wrong, without a check:
   multiplied by S, but ``step()`` still divides by S (65536 for fp16), so training stalls;
 - ``step()`` twice without a new backward: the same (stale) gradients are applied twice;
 - every step skipped for inf/NaN gradients: nothing moves and, without a dynamic scale at its floor,
-  nothing says so.
+  nothing says so;
+- ``model.half()`` (or ``.to(dtype)``) after the engine was built: the recipe's fp32 weights become
+  16-bit with no master copy behind them, so small updates round away (or every step overflows);
+- ``optimizer.step()`` instead of ``mp.step()`` where the engine must do the step: after
+  ``mp.backward`` under a loss scale the gradients carry S (65536 under fp16, so SGD moves the
+  weights S times too far and no inf/NaN step is skipped); under a master copy the optimizer holds
+  fp32 copies that only ``mp.step()`` fills and rounds back. A step pre-hook on the optimizer refuses
+  the call.
 
-The checks cost no host-device sync: the first three read Python-side flags and the gradients'
+The checks cost no host-device sync: the optimizer guard reads one Python flag per ``optimizer.step()``
+(and is not installed at all where a bare step is correct, e.g. ``bf16``); the next three read Python-side flags and the gradients'
 version counters (host metadata, bumped by every in-place write such as backward's accumulation);
 the skip watch keeps a device counter of consecutive skips and reads it only where reading is free
 (a CPU tensor, a count the generic step already synced for, or a non-blocking copy that has landed).
@@ -23,13 +31,46 @@ import warnings
 import weakref
 from typing import Any
 
+from torch.utils.hooks import RemovableHandle
+
 import torch
 
-__all__ = ["UsageChecks", "SKIP_WARNING_AFTER"]
+__all__ = ["UsageChecks", "SKIP_WARNING_AFTER", "bare_step_reason"]
 
 # Consecutive skipped steps before the warning. A dynamic fp16 scale skips a few steps while it
 # settles (each halves S); ten in a row means S fell 1024-fold or there is no scale to adjust.
 SKIP_WARNING_AFTER = 10
+
+
+# The step guard each optimizer carries: a later engine on the same optimizer replaces the earlier
+# one's (else the old engine's flag, never set again, would refuse the new engine's steps).
+_GUARDS: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+def bare_step_reason(recipe: Any, scaled: bool, master: bool, moments: bool) -> tuple[str | None, bool]:
+    """Why a bare ``optimizer.step()`` trains wrong under this engine (None where it is correct), and
+    whether always (True) or only on gradients ``mp.backward`` scaled (False)."""
+    if master:
+        return (f"under recipe {recipe.label!r} the optimizer holds fp32 copies of the 16-bit weights, which "
+                "only mp.step() fills with gradients and rounds back into the model: a bare step would "
+                "leave the model unchanged", True)
+    if moments:
+        return (f"recipe {recipe.label!r} keeps Adam's moments compact in the engine's own AdamW: a bare "
+                "step would run your optimizer's own update instead", True)
+    if scaled:
+        # After loss.backward() (no scale) a bare step is the user's own autocast loop: left alone.
+        return ("mp.backward() multiplied these gradients by the loss scale S (65536 at the start under "
+                "fp16): the update would be S times too large, unclipped, and a step with inf/NaN "
+                "gradients would not be skipped", False)
+    return None, False
+
+
+def _autocast_query_ok(device_type: str) -> bool:
+    try:
+        torch.is_autocast_enabled(device_type)     # torch >= 2.4 takes a device type
+        return True
+    except TypeError:
+        return False
 
 
 def _compiling() -> bool:
@@ -58,6 +99,41 @@ class UsageChecks:
         self._host: torch.Tensor | None = None                      # its pinned destination
         self.traced = False             # the engine traces inf/NaN (trace_nonfinite=True)
         self.warned_skips = False
+        self.in_engine_step = False     # mp.step() is calling the optimizer: the guard lets it through
+        self.bare_step_reason: str | None = None
+        self.bare_step_always = False   # else refused only on gradients mp.backward() scaled
+        self.dtype_probe: tuple[str, Any, torch.dtype] | None = None   # (name, parameter, dtype as built)
+
+    def remember_dtype(self, model: Any) -> None:
+        """Note one parameter's dtype as the recipe left it: a cast of the whole model changes it."""
+        name, param = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()), ("", None))
+        self.dtype_probe = (name, param, param.dtype) if param is not None else None
+
+    # ----------------------------------------------------------------- the optimizer guard
+    def guard_optimizer(self, optimizer: Any, reason: tuple[str | None, bool]) -> None:
+        """Make a bare ``optimizer.step()`` raise (with ``bare_step_reason``'s text) unless ``mp.step()``
+        is calling it: always, or (under a loss scale alone) when ``mp.backward`` made the gradients.
+
+        The hook goes on the innermost torch optimizer (Accelerate's wrapper delegates its step to it),
+        and replaces a guard an earlier engine left there. ``reason`` None installs nothing: a bare step
+        is correct under that recipe, and the step pays not even a Python call.
+        """
+        while not hasattr(optimizer, "_optimizer_step_pre_hooks") and hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
+        old = _GUARDS.pop(optimizer, None)
+        if old is not None:
+            old.remove()
+        self.bare_step_reason, self.bare_step_always = reason
+        if self.bare_step_reason is not None and hasattr(optimizer, "register_step_pre_hook"):
+            _GUARDS[optimizer] = optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # One Python flag per optimizer.step(); raising here leaves weights and state untouched.
+        if not self.in_engine_step and (self.bare_step_always or self.via_engine):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() was called directly, but {self.bare_step_reason}. "
+                "Call mp.step() instead: it unscales, clips, skips inf/NaN steps and calls "
+                "optimizer.step() itself")
 
     # ------------------------------------------------------------- forward and backward
     def on_backward(self) -> None:
@@ -65,14 +141,30 @@ class UsageChecks:
         self.via_engine = True
         if self.needs_autocast and not self.entered_autocast and not self.warned_autocast:
             self.warned_autocast = True
+            # Only what is known is said: mp.autocast() was not entered. A torch.autocast of the user's
+            # own may have run the forward in 16 bits (then the recipe's op lists and fp8 layers did not).
+            own = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda") if _autocast_query_ok(d))
+            how = ("a torch.autocast of your own is on here, so the forward ran in its dtype and op lists, "
+                   "not the recipe's" if own else
+                   f"without an autocast of your own the forward ran {self.outside}; under a "
+                   "torch.autocast of your own, in its dtype and op lists, not the recipe's")
             warnings.warn(
-                "mp.backward() was called but mp.autocast() was not entered since the last step: the "
-                f"forward ran {self.outside}. Run the forward inside `with mp.autocast():`",
-                UserWarning, stacklevel=3)
+                f"mp.backward() was called but mp.autocast() was not entered since the last step: {how}. "
+                "Run the forward inside `with mp.autocast():`", UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ before the step
     def check_before_step(self, model_grads: list[torch.Tensor]) -> None:
-        """Refuse a step whose gradients did not come from a new mp.backward(). Changes nothing."""
+        """Refuse a step whose gradients did not come from a new mp.backward(), or a model cast after the
+        engine was built (one dtype compared: host metadata). Changes nothing."""
+        probe = self.dtype_probe
+        if probe is not None and probe[1].dtype != probe[2]:
+            name, param, built = probe
+            raise RuntimeError(
+                f"the model's parameters changed dtype after MixedPrecision was built ({name!r} was "
+                f"{str(built).removeprefix('torch.')}, now {str(param.dtype).removeprefix('torch.')}): was "
+                "model.half() or model.to(dtype) called after it? The recipe decides the weights' dtype: "
+                "build the engine on the fp32 model and pick a recipe that keeps 16-bit weights with fp32 "
+                "master copies (e.g. 'fp16-pure', 'bf16-pure') instead of casting the model yourself")
         if self.via_engine:
             return
         if not _compiling() and self._same_grads_as_last_step(model_grads):

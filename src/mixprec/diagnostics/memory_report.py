@@ -99,7 +99,16 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
     traced = dataclasses.replace(recipe, compute=Precision.FP32) if recipe.compute is Precision.TF32 else recipe
     # The moments' format changes the optimizer's state only (predicted below), not what the step traces.
     traced = dataclasses.replace(traced, moments=Moments.FP32)
-    predicted, saved, inputs = _predict(model, traced, batch, loss_fn)   # inputs: (batch bytes, grads at step())
+    _check_batch(model, batch, loss_fn)
+    try:
+        predicted, saved, inputs = _predict(model, traced, batch, loss_fn)   # inputs: (batch bytes, grads at step())
+    except TypeError as e:
+        if loss_fn is None and isinstance(batch, (tuple, list)) and len(batch) == 2 and "positional" in str(e):
+            # (x, y) without loss_fn is read as two positional inputs: the likely slip is a missing loss_fn.
+            raise ValueError(f"memory_report passed batch's 2 items to {type(model).__name__}.forward as "
+                             f"positional inputs, and it refused them ({e}); if batch is (inputs, targets), "
+                             "give the loss: memory_report(model, recipe, (x, y), loss_fn=F.cross_entropy)") from None
+        raise
     if recipe.moments is Moments.FP32:
         optimizer_bytes = predict_optimizer_bytes(optimizer, model)
     else:   # the engine's own AdamW holds the moments: its format says their size
@@ -109,6 +118,22 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
     measured, saved_measured = _measure(model, recipe, batch, optimizer, loss_fn) if measure else (None, None)
     return MemoryReport(str(recipe), recipe.label, sum(p.numel() for p in params), predicted, measured,
                         saved, saved_measured)
+
+
+def _check_batch(model: nn.Module, batch: Any, loss_fn) -> None:
+    """ValueError for integer inputs to a model with no embedding to take them: its first matmul would
+    refuse them (and the fake trace would not notice)."""
+    if any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules()):
+        return
+    inputs = batch[0] if loss_fn is not None and isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+    leaves = [t for t in tree_leaves(dict(inputs) if isinstance(inputs, Mapping) else inputs)
+              if isinstance(t, torch.Tensor)]
+    ints = [t for t in leaves if not t.is_floating_point() and not t.is_complex()]
+    if ints and len(ints) == len(leaves):
+        raise ValueError(f"the batch's inputs are {str(ints[0].dtype).removeprefix('torch.')} and "
+                         f"{type(model).__name__} has no nn.Embedding to take integer ids: pass floating-point "
+                         "inputs (e.g. x.float())" + ("" if loss_fn is not None else
+                                                    ", and (inputs, targets) with loss_fn="))
 
 
 def _split(batch: Any, loss_fn) -> tuple[Any, Any]:

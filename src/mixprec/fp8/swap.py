@@ -37,7 +37,7 @@ from .linear import Fp8Linear
 from .matmul import probe_scaled_mm
 
 __all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8",
-           "resolve_backend"]
+           "resolve_backend", "check_fp8_patterns"]
 
 _ALIGN = 16
 
@@ -181,14 +181,7 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
     recipe keeps it fp32. ValueError for a forced layer that does not exist or cannot be fp8 (its
     shape is named). Parameters are shared, not copied.
     """
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
-    names = [n for n, _ in linears]
-    for name in config.force:
-        if name not in names:
-            close = difflib.get_close_matches(name, names, n=3)
-            raise ValueError(f"fp8 force={name!r}: the model has no nn.Linear of that name"
-                             + (f"; did you mean {', '.join(map(repr, close))}?" if close else
-                                f"; its linears are: {', '.join(names) or 'none'}"))
+    linears = check_fp8_patterns(model, config)
     decisions, replace = [], {}
     for i, (name, module) in enumerate(linears):
         out_f, in_f = _out_in(module)
@@ -239,6 +232,27 @@ def _why_uncovered(module: nn.Module, p: torch.Tensor) -> str:
         return (f"{p.dim()}-D, multiplied in {owner}.forward (per-expert or batched matmuls): fp8 "
                 "covers linear layers only")
     return f"multiplied in {owner}.forward, not an nn.Linear: fp8 covers linear layers only"
+
+
+def check_fp8_patterns(model: nn.Module, config: Fp8Config) -> list[tuple[str, nn.Module]]:
+    """ValueError for a ``force`` name or a ``skip`` glob that names no linear of ``model`` (a typo would
+    leave the layer in fp8); returns the linears ``(name, module)`` in module order. Changes nothing."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
+    names = [n for n, _ in linears]
+    for name in config.force:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3)
+            raise ValueError(f"fp8 force={name!r}: the model has no nn.Linear of that name"
+                             + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                                f"; its linears are: {', '.join(names) or 'none'}"))
+    for pattern in config.skip:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            close = difflib.get_close_matches(pattern, names, n=3)
+            raise ValueError(f"fp8 skip={pattern!r} matches no nn.Linear of {type(model).__name__} (skip takes "
+                             "fnmatch globs over qualified names, e.g. blocks.*.attn.c_proj)"
+                             + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                                f"; its linears are: {', '.join(names[:8]) or 'none'}"))
+    return linears
 
 
 def _decide(i: int, n: int, name: str, module: nn.Module, config: Fp8Config,

@@ -6,11 +6,13 @@
     mixprec compare --steps 200 --out runs/today      # runs/today/report.json and report.html
     mixprec report runs/today/report.json --out page.html   # the page again, from the JSON alone
     mixprec inspect --benchmark gpt2 --json gpt2.json       # memory per recipe, tensor-core fit; no training
+    mixprec ckpt show run/step_1000.ckpt              # verify a checkpoint, print what it holds
 
 Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
 HTML page beside it), and the paths written to stderr. A user mistake prints one line,
 ``mixprec: error: <what and how to fix it>``, and exits with status 2; everything is checked before any
-training starts. A failure while training (a bug in the user's model) is one line too, naming the
+training starts. A compare in which every recipe failed (each run skipped all its steps for inf/NaN
+gradients) prints its table and exits with status 1: there is no result to read. A failure while training (a bug in the user's model) is one line too, naming the
 workload, module and op; ``--traceback`` (anywhere on the line) or ``MIXPREC_TRACEBACK=1`` shows it all.
 
 Each tool lives in its own subpackage, shaped the same way: ``run.py`` (plan and run), ``report.py`` (the
@@ -26,6 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
+from . import checkpoint_cli
 from .cli_args import EXIT_INTERRUPTED, UsageError
 from .compare import cli as compare_cli
 from .doctor import cli as doctor_cli
@@ -84,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     trace_cli.add_parser(commands)
     inspect_cli.add_parser(commands)
     doctor_cli.add_parser(commands)
+    checkpoint_cli.add_parser(commands)
     return parser
 
 

@@ -18,9 +18,10 @@ from .workloads import BENCHMARKS, WORKLOADS
 
 __all__ = ["UsageError", "usage_errors", "add_workload_args", "add_device_arg", "recipe_words", "check_writable",
            "make_out_dir", "check_no_file_on_the_way", "check_outputs", "write_json", "torch_threads",
-           "EXIT_INTERRUPTED"]
+           "EXIT_INTERRUPTED", "EXIT_FAILED", "cpu_cores"]
 
 EXIT_INTERRUPTED = 130      # the shell's status for Ctrl-C (128 + SIGINT)
+EXIT_FAILED = 1             # the command ran but produced no result (every run failed): scripts must see it
 
 
 class UsageError(Exception):
@@ -162,7 +163,20 @@ def torch_threads(threads: int | None) -> contextlib.AbstractContextManager[None
     whoever called ``main()``."""
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1, got {threads}")
+    cores = cpu_cores()
+    if threads is not None and threads > cores:
+        # More threads than cores only contend: --threads 9999 ran the mlp at 3 samples/s.
+        raise ValueError(f"--threads {threads} is more than the {cores} CPU cores this process may use; "
+                         f"more threads than cores only wait on each other: choose 1 to {cores}")
     return _threads(threads)
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:      # macOS, Windows: no affinity mask
+        return os.cpu_count() or 1
 
 
 def write_json(text: str, json_path: Path | None, out_dir: Path | None, name: str) -> None:

@@ -32,11 +32,14 @@ from ..model_io import output_logits, predictions
 from ..recipe import Recipe, get_recipe
 from .workloads import Workload, get_workload
 
-__all__ = ["TrainProgress", "RunResult", "train", "batch_order", "warmup_steps", "check_steps"]
+__all__ = ["TrainProgress", "RunResult", "train", "batch_order", "warmup_steps", "check_steps", "MAX_STEPS"]
 
 # Steps left out of the samples/s timing: the first ones allocate memory, pick kernels and (on CUDA)
 # autotune; they say nothing about steady-state speed.
 _MAX_WARMUP = 10
+# A bound on steps: the trainer draws every step's batch order up front ((steps, batch) int64: 1 GB at a
+# million steps of batch 128) and keeps every step's loss; the built-in workloads learn in thousands.
+MAX_STEPS = 1_000_000
 # The final train loss is the mean over this fraction of the last steps: one minibatch's loss is noisy.
 _FINAL_LOSS_FRACTION = 0.1
 _EVAL_BATCH = 1024
@@ -78,6 +81,9 @@ def check_steps(steps: object) -> int:
         raise TypeError(f"steps must be an integer, got {type(steps).__name__}")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}: pass e.g. --steps 500")
+    if steps > MAX_STEPS:
+        raise ValueError(f"steps must be at most {MAX_STEPS:,} (the built-in workloads learn in a few "
+                         f"thousand; the batch order of every step is drawn up front), got {steps:,}")
     return steps
 
 

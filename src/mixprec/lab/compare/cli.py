@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ...recipe import get_recipe
-from ..cli_args import (EXIT_INTERRUPTED, add_device_arg, add_workload_args, check_outputs, check_writable,
+from ..cli_args import (EXIT_FAILED, EXIT_INTERRUPTED, add_device_arg, add_workload_args, check_outputs, check_writable,
                         recipe_words, torch_threads, usage_errors, write_json)
 from ..console import stdout_console
 from ..trainer import TrainProgress
-from .render import render_notes, render_table, short_names
+from .render import failed, render_notes, render_table, short_names
 from .report import CompareReport
 from .run import DEFAULT_RECIPES, ComparePlan, plan_compare, run_compare
 
@@ -79,6 +79,9 @@ def handle(args: argparse.Namespace) -> int:
             print(f"mixprec: note: {', '.join(fp8)} under --nproc {plan.nproc} is untested: fp8 recipes "
                   "are not yet covered under DDP or FSDP2 (docs/distributed.md)", file=sys.stderr)
         check_outputs(args.json, args.out, ("report.json", "report.html"))
+    note = slow_run_note(plan)
+    if note:
+        print(f"mixprec: note: {note}", file=sys.stderr)
     with threads:
         report = _run_with_progress(plan, Console(stderr=True))
 
@@ -90,7 +93,21 @@ def handle(args: argparse.Namespace) -> int:
         print(f"mixprec: interrupted; kept the {len(report.runs)} recipe(s) that finished (report marked "
               "partial)", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if report.runs and all(failed(report, r) for r in report.runs):
+        # Nothing to compare: a script running compare must not read this as a result.
+        print(f"mixprec: error: every recipe failed: all {report.steps} steps of each run were skipped for "
+              "inf/NaN gradients, so no run trained (see the notes above)", file=sys.stderr)
+        return EXIT_FAILED
     return 0
+
+
+def slow_run_note(plan: ComparePlan) -> str | None:
+    """What to expect before a run that is silent for minutes: a GPU benchmark trained on a CPU."""
+    if not plan.workload.synthetic or plan.device.type != "cpu":
+        return None
+    return (f"{plan.workload.name} is a benchmark sized for GPUs: on the CPU one step can take minutes, "
+            f"and each recipe's bar moves only once its model is built and its first step is done "
+            f"({len(plan.recipes)} recipe(s) x {plan.steps} step(s)); --device cuda is what it is for")
 
 
 def add_report_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from ...recipe import get_recipe
-from .render import BASELINE, format_bytes, memory_figure, ratio_text, render_notes, render_table, short_names
+from .render import BASELINE, failed, format_bytes, memory_figure, ratio_text, render_notes, render_table, short_names
 from .report import CompareReport
 from ..trainer import RunResult
 
@@ -56,11 +56,19 @@ def render_html(report: CompareReport) -> str:
     better = "higher" if report.higher_is_better else "lower"
     window = _window(report.steps)
     unscaled = [n for r, n in zip(report.runs, labels) if not _scaled(r)]
+    # Runs that skipped every step never trained: their loss and metric are not results, so the loss
+    # and metric plots leave them out (each run keeps its colour) and say so.
+    hidden = frozenset(i for i, r in enumerate(report.runs) if failed(report, r))
+    left_out = (f" Left out: {', '.join(labels[i] for i in sorted(hidden))} (every step skipped for inf/NaN "
+                "gradients, so not results)." if hidden else "")
+    none_trained = bool(report.runs) and len(hidden) == len(report.runs)    # captions without a plot to read
     figures = [
-        _figure("plot-loss", _loss_plot(report.runs, labels, window), _loss_caption(report, window)),
-        _figure("plot-eval", _eval_plot(report, labels),
-                f"Test {report.metric} measured during training, one point per evaluation: {better} is "
-                f"better, and the last point is the table's test {report.metric}."),
+        _figure("plot-loss", _loss_plot(report.runs, labels, window, hidden),
+                ("Train loss: none to plot." if none_trained else _loss_caption(report, window)) + left_out),
+        _figure("plot-eval", _eval_plot(report, labels, hidden),
+                (f"Test {report.metric}: none to plot." if none_trained else
+                 f"Test {report.metric} measured during training, one point per evaluation: {better} is "
+                 f"better, and the last point is the table's test {report.metric}.") + left_out),
         _figure("plot-scale", _scale_plot(report.runs, labels),
                 "Loss scale after each step (log2 axis) for the recipes that scale the loss: it drops "
                 "on each step skipped for an inf/NaN gradient (red x) and grows after a run of clean "
@@ -214,11 +222,18 @@ def _moving_average(y: np.ndarray, window: int) -> np.ndarray:
         return np.where(finite, total / count, np.nan)
 
 
-def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int) -> Figure | str:
+def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int,
+               hidden: frozenset[int] = frozenset()) -> Figure | str:
+    """The loss curves of ``runs`` but those at the indices in ``hidden`` (colours stay by index)."""
     if not any(r.losses for r in runs):
         return "no losses recorded"
-    base = next((r for r in runs if r.label == BASELINE), None)
-    others = [r for r in runs if r is not base and r.losses]
+    shown = [r for i, r in enumerate(runs) if i not in hidden]
+    if not any(math.isfinite(v) for r in shown for v in r.losses):
+        # An empty axis (matplotlib's 0.96..1.04) would look like a plot of something.
+        return ("no run trained: every step of every run was skipped for inf/NaN gradients, so there is no "
+                "loss to plot" if not shown else "no finite loss to plot: every recorded loss is NaN or infinite")
+    base = next((r for r in shown if r.label == BASELINE), None)
+    others = [r for r in shown if r is not base and r.losses]
     fig = _new_figure(_FULL, 5.4 if base is not None and others else 4.2)
     if base is not None and others:
         ax, diff_ax = (_style(a) for a in fig.subplots(2, 1, sharex=True, height_ratios=[2.3, 1]))
@@ -226,6 +241,8 @@ def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int) -> F
         ax, diff_ax = _style(fig.add_subplot()), None
     positive = True
     for i, (r, label) in enumerate(zip(runs, labels)):
+        if i in hidden:
+            continue
         y = np.asarray(r.losses, dtype=float)
         x = np.arange(1, len(y) + 1)
         finite = np.isfinite(y)
@@ -244,7 +261,7 @@ def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int) -> F
             n = min(len(y), len(base.losses))
             d = y[:n] - np.asarray(base.losses[:n], dtype=float)
             diff_ax.plot(x[:n], _moving_average(d, window), **_line(i, len(runs)))
-    if positive and any(math.isfinite(v) for r in runs for v in r.losses):
+    if positive:
         ax.set_yscale("log")
     ax.set_ylabel("train loss")
     ax.margins(x=0.01)
@@ -256,11 +273,16 @@ def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int) -> F
     return fig
 
 
-def _eval_plot(report: CompareReport, labels: list[str]) -> Figure | str:
+def _eval_plot(report: CompareReport, labels: list[str], hidden: frozenset[int] = frozenset()) -> Figure | str:
     if not any(r.eval_steps for r in report.runs):
         return "no evaluations recorded"
+    if len(hidden) == len(report.runs):
+        return (f"no run trained: every step of every run was skipped for inf/NaN gradients, so no test "
+                f"{report.metric} is a result")
     fig, ax = _new_axes(_FULL, 3.6)
     for i, (r, label) in enumerate(zip(report.runs, labels)):
+        if i in hidden:
+            continue
         n = min(len(r.eval_steps), len(r.eval_metrics))     # equal in any report compare wrote
         y = np.asarray(r.eval_metrics[:n], dtype=float)
         ok = np.isfinite(y)

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from ...diagnostics.range_histogram import RANGE_FORMATS, TensorStats
 from ...diagnostics.range_collector import KINDS
-from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
+from .render_fp8 import fp8_rows, fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .render import _exp_of, percent_text, pow2_text, render_doctor_table, render_findings
 from .report import DoctorReport
 from ..compare.html import _CSS, _FULL, _figure, _new_figure, _style, _text
@@ -45,22 +45,39 @@ def render_doctor_html(report: DoctorReport) -> str:
             ("final loss scale", f"{report.final_scale:g}" if report.scaled else "none"),
             ("skipped", str(report.skipped_steps)), ("torch", report.torch_version),
             ("mixprec", report.mixprec_version)]
-    findings = "".join(f"<li>{escape(n)}</li>" for n in render_findings(report) + render_fp8_findings(report))
+    fp8 = report.fp8_swap is not None
+    # An fp8 run leads with what its fp8 casts did; the fp16 lines then say what fp16 would do.
+    lines = (render_fp8_findings(report) + render_findings(report) if fp8
+             else render_findings(report) + render_fp8_findings(report))
+    findings = "".join(f"<li>{escape(n)}</li>" for n in lines)
     grads = TensorStats.merge([g for g in (m.gradients() for m in report.modules) if g is not None])
-    overview = _figure("plot-gradients", _overview(grads, report.window.recommended, k_run),
+    # The shifted outlines show a loss scale's effect on fp16: fp8 casts scale each tensor themselves.
+    shift = None if fp8 else report.window.recommended
+    k_shown = None if fp8 else k_run
+    bands = ("Red bands: fp16's range, for reference (fp16 would flush below it or overflow above it); "
+             "amber: fp16 subnormals. This run's fp8 casts scale each tensor: the fp8 plot above shows "
+             "what they flushed and saturated." if fp8 else
+             "Red bands: fp16 flushes to zero or overflows; amber: fp16 subnormals (fewer mantissa bits).")
+    overview = _figure("plot-gradients", _overview(grads, shift, k_shown),
                        "All gradients of the run (activation and weight gradients of every module, true "
-                       "units): the share of nonzero values in each binade. Bars: as computed; green "
-                       "outline: multiplied by the recommended loss scale; purple dashes: by the scale "
-                       "the run ended with. Red bands: fp16 flushes to zero or overflows; amber: fp16 "
-                       "subnormals (fewer mantissa bits).")
+                       "units): the share of nonzero values in each binade. Bars: as computed"
+                       + ("" if fp8 else "; green outline: multiplied by the recommended loss scale; purple "
+                                         "dashes: by the scale the run ended with") + ". " + bands)
     layers = []
     for m in report.modules:
         w = report.module_window(m)
-        fig = _layer_figure(m.stats.get("activations"), m.gradients(), report.window.recommended, k_run)
+        fig = _layer_figure(m.stats.get("activations"), m.gradients(), shift, k_shown)
         caption = (f"{m.name} ({m.type}): activations (left) and gradients (right, true units); its own "
-                   f"scale window {pow2_text(w.low)}..{pow2_text(w.high)}, recommended "
+                   f"fp16 scale window {pow2_text(w.low)}..{pow2_text(w.high)}, recommended "
                    f"{pow2_text(w.recommended)}.")
         layers.append(_figure(f"plot-{m.name or 'model'}", fig, caption))
+    index = ('<nav class="index" id="layer-index">Jump to a layer: '
+             + " ".join(f'<a href="#plot-{escape(m.name or "model")}">{escape(m.name or "model")}</a>'
+                        for m in report.modules) + "</nav>")
+    sections = [("findings", "findings"), ("layer-table", "layer table")] + (
+        [("fp8", "fp8")] if fp8 else []) + [("plot-gradients", "all gradients"),
+                                            ("per-layer", "per layer"), ("per-format", "per format")]
+    top = ('<nav class="top">' + " ".join(f'<a href="#{i}">{escape(t)}</a>' for i, t in sections) + "</nav>")
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -68,13 +85,19 @@ def render_doctor_html(report: DoctorReport) -> str:
         "<main>", f"<h1>{escape(title)}</h1>",
         '<dl class="meta">' + "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
                                       for k, v in meta) + "</dl>",
-        f'<ul class="notes">{findings}</ul>', _layer_table(report), _fp8_section(report), overview,
-        "<h2>Per layer</h2>", *layers, "<h2>Per layer and format</h2>", _format_table(report),
+        top, f'<ul class="notes" id="findings">{findings}</ul>', _layer_table(report), _fp8_section(report),
+        overview, '<h2 id="per-layer">Per layer</h2>', index, *layers,
+        '<h2 id="per-format">Per layer and format</h2>', _format_table(report),
         "</main>", "</body>", "</html>", ""])
 
 
 _EXTRA_CSS = """
 h2 { font-size: 18px; margin: 28px 0 10px; }
+nav.top { position: sticky; top: 0; z-index: 1; background: #fff; padding: 6px 0; margin: 0 0 10px;
+          border-bottom: 1px solid #e3e3e3; font-size: 13.5px; }
+nav a { margin-right: 12px; color: #1f5fa8; text-decoration: none; } nav a:hover { text-decoration: underline; }
+nav.index { font-size: 13px; line-height: 1.9; margin: 0 0 16px; }
+figure, h2 { scroll-margin-top: 40px; }
 table.formats td, table.formats th { padding: 3px 8px; font-size: 13px; }
 table.formats tr.first td { border-top: 1px solid #999; }
 """.strip()
@@ -88,15 +111,40 @@ def _fp8_section(report: DoctorReport) -> str:
     notes = "".join(f"<li>{escape(r.strip())}</li>" for r in reasons)
     caption = ("headroom: log2(max / (amax * scale)) at the last cast, negative when it saturated; flushed "
                "and saturated: exact shares of every value cast in training, all steps.")
-    return ("<h2>fp8</h2>" + f"<p>{escape(first)}</p>" + (f'<ul class="notes">{notes}</ul>' if notes else "")
-            + _rich_table_html(render_fp8_table(report), caption))
+    plot = _figure("plot-fp8", _fp8_plot(report),
+                   "Per fp8 layer and tensor, the exact share of the values cast in training that fp8 flushed "
+                   "to zero (red) and saturated at its max (amber), log axis; 0 where none did.")
+    return ('<h2 id="fp8">fp8</h2>' + f"<p>{escape(first)}</p>" + (f'<ul class="notes">{notes}</ul>' if notes else "")
+            + _rich_table_html(render_fp8_table(report), caption) + plot)
+
+
+def _fp8_plot(report: DoctorReport) -> Figure | str:
+    rows = [(f"{name} {t.role} ({t.format.removeprefix('fp8_')})", t) for name, t in fp8_rows(report) if t.counted]
+    if not rows:
+        return "no fp8 cast was counted in this run"
+    fig = _new_figure(_FULL, 0.9 + 0.42 * len(rows))
+    ax = _style(fig.add_subplot())
+    y = np.arange(len(rows))[::-1]
+    floor = 1e-7      # a share below one in ten million draws as the axis' left edge
+    for offset, attr, color, label in ((0.2, "flushed_fraction", "#d62728", "flushed"),
+                                       (-0.2, "saturated_fraction", "#f0b400", "saturated")):
+        values = np.array([getattr(t, attr) or 0.0 for _, t in rows])
+        ax.barh(y + offset, np.maximum(values, floor), height=0.38, color=color, label=label, left=0)
+        for yi, v in zip(y + offset, values):
+            ax.text(max(v, floor) * 1.3, yi, percent_text(v), va="center", fontsize=8, color="#333")
+    ax.set_xscale("log")
+    ax.set_xlim(floor, 1.0)
+    ax.set_yticks(y, [_text(label) for label, _ in rows])
+    ax.set_xlabel("share of the values cast")
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, fontsize=8, frameon=False)
+    return fig
 
 
 def _layer_table(report: DoctorReport) -> str:
     caption = ("grad&lt;2^-24: nonzero gradients below fp16's smallest "
                "subnormal with no loss scale, then at the run's scale; act ovf: activations beyond "
                "fp16's max; lost: nonzero updates that round away on fp16/bf16 weights; worst first.")
-    return _rich_table_html(render_doctor_table(report), caption)
+    return _rich_table_html(render_doctor_table(report), caption).replace("<table>", '<table id="layer-table">', 1)
 
 
 def _rich_table_html(table: Table, caption: str) -> str:
@@ -174,7 +222,9 @@ def _histogram(ax: Axes, stats: TensorStats | None, what: str, shift: int | None
     ax.set_xlim(lo, hi)
     ax.set_xlabel("floor(log2 |x|)")
     ax.set_ylabel("share of nonzero values")
-    ax.legend(loc="best", fontsize=8, framealpha=0.9)
+    # Above the axes, never over the bars (a "best" legend covered them on narrow histograms).
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=3, fontsize=8, frameon=False,
+              borderaxespad=0.2)
 
 
 def _overview(grads: TensorStats | None, shift: int | None, run_shift: int | None) -> Figure:
