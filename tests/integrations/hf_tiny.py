@@ -54,18 +54,10 @@ def vit(seed: int = 0):
     return model, _images, _image_loss
 
 
-def _small_images(step: int):
-    # ResNet-18 downsamples by 32: at 16x16 its last two stages see 1x1 maps (BatchNorm over the
-    # batch's 4 values), and every convolution, norm and residual still runs, at about 1/30 of the
-    # convolution work of 64x64 x 8. CPU fp16 convolutions have no fast kernel (torch 2.15: ~4 s a
-    # backward at 64x64 x 8, the whole matrix row 18 min).
-    return _images(step, batch=4, size=16)
-
-
 def resnet18(seed: int = 0):
     import torchvision
     torch.manual_seed(seed)
-    return torchvision.models.resnet18(num_classes=10), _small_images, _image_loss
+    return torchvision.models.resnet18(num_classes=10), _images, _image_loss
 
 
 BUILDERS = {"llama": (llama, "transformers"), "gpt2": (gpt2, "transformers"), "vit": (vit, "timm"),
