@@ -68,7 +68,8 @@ def _op_lists(device: str):
 def _oplists_cuda_counts() -> str:
     # Fake tensors: the CUDA lists are read from the dispatcher without a GPU.
     lists = _op_lists("cuda")
-    return f"{len(lists.low)} low, {len(lists.fp32)} fp32, {len(lists.follow)} follow with torch {_torch_minor()}"
+    aten = [[op for op in ops if "::" not in op] for ops in (lists.low, lists.fp32, lists.follow)]  # no torchvision::
+    return f"{len(aten[0])} low, {len(aten[1])} fp32, {len(aten[2])} follow with torch {_torch_minor()}"
 
 
 # ------------------------------------------------------------------------------------ compare
