@@ -1,7 +1,8 @@
 # Two commands on a fresh machine: `make compare` (the main job) and `make test` (the test suite).
 # Each creates .venv and installs mixprec with what it needs: the lab extra (compare), and the test
-# extras (test: mixprec[lab,dev,integrations-test]). Bring your own torch build first
-# (CUDA, ROCm or CPU) with `.venv/bin/pip install torch...`; otherwise pip picks PyPI's default.
+# extras (test: mixprec[lab,dev,integrations-test], plus vision-test unless torch is a CPU-only build).
+# Bring your own torch build first (CUDA, ROCm or CPU) with `.venv/bin/pip install torch...`;
+# otherwise pip picks PyPI's default.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -28,10 +29,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[lab]"
 	touch $(STAMP)
 
-# The tests also run the Hugging Face, timm, torchvision and Lightning integrations (mixprec[integrations-test]).
+# The tests also run the Hugging Face and Lightning integrations (mixprec[integrations-test]) and the
+# timm/torchvision models (mixprec[vision-test]). PyPI's torchvision is a CUDA build that cannot load
+# next to a CPU-only torch (a +cpu version) and would break every import that reaches it: there it is
+# left out, and its tests skip saying so.
 $(TEST_STAMP): $(STAMP)
 	$(KEEP_TORCH)
-	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[lab,dev,integrations-test]"
+	@extras=lab,dev,integrations-test; \
+	if $(PY) -c "import sys, torch; sys.exit('+cpu' in torch.__version__)"; then extras=$$extras,vision-test; \
+	else echo "make: torch is a CPU-only build; leaving out timm and torchvision (PyPI's torchvision is a CUDA build)"; fi; \
+	echo "$(PY) -m pip install -q -c $(VENV)/constraints.txt -e \".[$$extras]\""; \
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[$$extras]"
 	touch $(TEST_STAMP)
 
 clean:

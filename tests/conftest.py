@@ -2,38 +2,10 @@
 
 import contextlib
 import copy
-import glob
-import importlib.util
-import os
 
 import pytest
 import torch
 from torch import nn
-
-_KEEP = []
-
-
-def _declare_missing_torchvision_ops() -> None:
-    """torchvision's PyPI wheels are CUDA builds whose C++ ops cannot load against a CPU-only torch;
-    torchvision then fails at import (its fake kernel for ``nms`` needs the op), and so do timm,
-    transformers and lightning (torchmetrics), which import it. No model tested here uses those ops:
-    where they cannot load, their two schemas are declared (never implemented) before any import."""
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    for path in glob.glob(os.path.join(spec.submodule_search_locations[0], "_C*.so")):
-        try:
-            torch.ops.load_library(path)
-            return                                  # the real ops are there
-        except (OSError, RuntimeError):
-            continue
-    lib = torch.library.Library("torchvision", "FRAGMENT")
-    for op in ("nms", "qnms"):
-        lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _KEEP.append(lib)                               # a dropped Library would undefine them
-
-
-_declare_missing_torchvision_ops()
 
 
 def tiny_model(seed: int = 0, d_in: int = 8, hidden: int = 16, d_out: int = 4) -> nn.Module:

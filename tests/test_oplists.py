@@ -161,3 +161,60 @@ def test_cuda_lists_are_read_without_a_gpu_from_what_the_op_returns():
 def test_op_lists_of_a_device_torch_cannot_represent_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot read autocast's op lists for device type 'nosuchdevice'"):
         autocast_op_lists("nosuchdevice")
+
+
+# ---------------------------------------------------------------- ops outside aten (torchvision & co)
+@pytest.fixture
+def library_ops():
+    """Stand-ins for a library that registers its own ops for autocast, as torchvision does with
+    torchvision::nms: ``scaled`` (autocast casts its inputs to fp32), ``bmm`` (the name of an aten op,
+    cast to fp32) and ``opaque`` (no fake kernel, and a ``Device`` argument the probe cannot make up, so
+    the probe cannot call it).
+    The probe caches are cleared around the test and the ops dropped after it."""
+    import mixprec.oplists as oplists
+    lib = torch.library.Library("mixprec_test", "FRAGMENT")
+    for name, body in (("scaled", lambda x: x * 2), ("bmm", lambda x: x + 1), ("opaque", lambda x, d: x.to(d))):
+        lib.define(f"{name}(Tensor x, Device d) -> Tensor" if name == "opaque" else f"{name}(Tensor x) -> Tensor")
+        lib.impl(name, body, "CompositeExplicitAutograd")
+        torch.library.register_autocast(f"mixprec_test::{name}", "cpu", torch.float32, lib=lib)
+    for name in ("scaled", "bmm"):
+        torch.library.register_fake(f"mixprec_test::{name}", lambda x: torch.empty_like(x), lib=lib)
+    oplists.autocast_op_lists.cache_clear(), oplists._probed.cache_clear()
+    yield
+    lib._destroy()
+    oplists.autocast_op_lists.cache_clear(), oplists._probed.cache_clear()
+
+
+def test_ops_outside_aten_are_probed_under_their_qualified_name_or_named_with_a_reason(library_ops):
+    # Before: AttributeError "'_OpNamespace' 'aten' object has no attribute 'scaled'" (the probe looked
+    # every registered op up in torch.ops.aten).
+    lists = autocast_op_lists("cpu", LOW)
+    x = torch.ones(3, dtype=LOW)
+    with torch.autocast("cpu", dtype=LOW):
+        assert torch.ops.mixprec_test.scaled(x).dtype == torch.float32     # what autocast does with it
+    assert "mixprec_test::scaled" in lists.fp32 and "mixprec_test::bmm" in lists.fp32
+    assert "scaled" not in lists.fp32
+    assert "bmm" in lists.low and lists.policy("bmm") is OpPolicy.LOW     # aten's bmm is not shadowed
+    assert default_policy("bmm", "cpu", LOW) is OpPolicy.LOW
+    assert list(lists.unprobed) == ["mixprec_test::opaque"]
+    assert "could not call it on fake tensors" in lists.unprobed["mixprec_test::opaque"]
+    assert not any("::" in name for name in lists.low | lists.follow)
+    # An edit names torch functions a model calls; a library op is not one of them.
+    with pytest.raises(ValueError, match="unknown op 'opaque'"):
+        check_op_names(("opaque",), key="fp32_ops")
+
+
+def test_torchvision_ops_registered_for_autocast_are_listed_or_named():
+    """With torchvision's compiled ops loaded (a torchvision built for this torch), each of its ops
+    registered for autocast is on a list under ``torchvision::`` or in ``unprobed``, never a crash."""
+    torchvision = pytest.importorskip("torchvision", reason="torchvision is not installed")
+    registered = {op for op in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")
+                  if op.startswith("torchvision::")}
+    if not registered:
+        pytest.skip(f"torchvision {torchvision.__version__} registered no CPU autocast ops here")
+    import mixprec.oplists as oplists
+    oplists.autocast_op_lists.cache_clear(), oplists._probed.cache_clear()
+    lists = autocast_op_lists("cpu", LOW)
+    listed = {n for n in lists.low | lists.fp32 | lists.follow if n.startswith("torchvision::")}
+    for op in registered:
+        assert oplists._list_name(op) in listed or op in lists.unprobed, op

@@ -17,6 +17,12 @@ import):
    fp32 or passed as they are (autocast's "promote" list, e.g. ``cat``, ``stack``): *follow*. Every op
    without an autocast kernel also follows its inputs.
 
+Libraries register ops of their own for autocast too (torchvision's ``torchvision::nms`` and
+``roi_align``, anything made with ``torch.library.register_autocast``). Those are probed the same way
+and listed under their qualified name (``"torchvision::nms"``), so they never shadow an aten op of the
+same base name; an op the probe cannot call (no fake kernel, an op the dispatcher lists but Python
+cannot reach) is left off the lists and named, with the reason, in ``OpLists.unprobed``.
+
     >>> lists = autocast_op_lists("cpu", torch.bfloat16)
     >>> "bmm" in lists.low, "nll_loss" in lists.fp32, "cat" in lists.follow
     (True, True, True)
@@ -86,6 +92,9 @@ class OpLists:
     low: frozenset[str]
     fp32: frozenset[str]
     follow: frozenset[str]
+    # Registered ops the probe could not read: qualified name -> why. They follow their inputs as far
+    # as mixprec's edits are concerned (an edit only ever names aten ops: see ``known_op_names``).
+    unprobed: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     def policy(self, op: str) -> OpPolicy:
         if op in self.low:
@@ -114,7 +123,10 @@ def known_op_names() -> frozenset[str]:
         names.update(prefix + n for n in dir(namespace)
                      if not n.startswith("_") and not n.endswith("_") and callable(getattr(namespace, n)))
     for key in ("AutocastCPU", "AutocastCUDA"):
-        names.update(_base_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(key))
+        # aten's only: an edit applies to the torch functions a model calls, and a library's own op
+        # (torchvision::nms) is not one of them.
+        names.update(_base_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(key)
+                     if _namespace(op) == "aten")
     return frozenset(n for n in names if n[:1].islower())
 
 
@@ -132,6 +144,33 @@ def check_op_names(names: tuple[str, ...], *, key: str) -> None:
 def _base_name(qualified: str) -> str:
     """``aten::softmax.int`` -> ``softmax``."""
     return qualified.split("::", 1)[-1].split(".", 1)[0]
+
+
+def _namespace(qualified: str) -> str:
+    """``aten::softmax.int`` -> ``aten``; ``torchvision::nms`` -> ``torchvision``."""
+    return qualified.split("::", 1)[0] if "::" in qualified else "aten"
+
+
+def _list_name(qualified: str) -> str:
+    """The name an op has in the lists: aten's by base name (``softmax``), every other namespace's
+    qualified (``torchvision::nms``), so a library's op never stands for an aten op of the same name."""
+    namespace = _namespace(qualified)
+    return _base_name(qualified) if namespace == "aten" else f"{namespace}::{_base_name(qualified)}"
+
+
+class _Unprobed(Exception):
+    """An op the dispatcher lists for autocast that the probe cannot call; the message says why."""
+
+
+def _overload(qualified: str) -> torch._ops.OpOverload:
+    """The callable overload of ``ns::name.overload``, or _Unprobed saying why there is none."""
+    namespace = _namespace(qualified)
+    base, _, overload = qualified.split("::", 1)[-1].partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), base), overload or "default")
+    except (AttributeError, RuntimeError) as e:   # registered from C++ with no Python-visible schema
+        raise _Unprobed(f"registered for autocast but not reachable as torch.ops.{namespace}.{base}"
+                        f"{'.' + overload if overload else ''} ({type(e).__name__})") from None
 
 
 # ------------------------------------------------------------------------------------- probing
@@ -209,8 +248,7 @@ def _probe(qualified: str, device: str, low: torch.dtype) -> OpPolicy | None:
     linalg_vector_norm on its fp32 list by passing ``dtype=torch.float32``, and softmax then reaches
     ``_softmax(x_fp16, half_to_float=True)``: fp16 arguments, fp32 result.
     """
-    base, _, overload = qualified.split("::", 1)[-1].partition(".")
-    op = getattr(getattr(torch.ops.aten, base), overload or "default")
+    op = _overload(qualified)
     fake = _fake_mode(device)
 
     def call(dtypes: tuple[torch.dtype, ...], stop_at_first: bool):
@@ -278,13 +316,30 @@ def _autocast_key(device_type: str) -> str:
 
 
 @functools.cache
-def _probed_policies(device_type: str, low: torch.dtype, base: str) -> tuple[OpPolicy, ...]:
+def _probed(device_type: str, low: torch.dtype, name: str) -> tuple[tuple[OpPolicy, ...], dict[str, str]]:
+    """The policies of the registered overloads listed as ``name`` (see ``_list_name``), and the
+    overloads the probe could not call, each with the reason."""
     registered = sorted(op for op in torch._C._dispatch_get_registrations_for_dispatch_key(
-        _autocast_key(device_type)) if _base_name(op) == base)
+        _autocast_key(device_type)) if _list_name(op) == name)
+    found, unprobed = [], {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # deprecated ops (torch.lu, stft's window) warn when called
-        found = [_probe(op, device_type, low) for op in registered]
-    return tuple(p for p in found if p is not None)
+        for op in registered:
+            try:
+                found.append(_probe(op, device_type, low))
+            except _Unprobed as e:
+                unprobed[op] = str(e)
+            except Exception as e:     # a library's op may fail in ways aten's never do: name it, go on
+                if _namespace(op) == "aten":
+                    raise
+                first = (str(e).strip().splitlines() or [""])[0]
+                unprobed[op] = f"the probe failed: {type(e).__name__}: {first}"
+    if registered and not unprobed and all(p is None for p in found) and _namespace(registered[0]) != "aten":
+        # aten ops whose fake arguments fail a check are known to follow (they were always left off);
+        # a library's op that answers nothing is worth naming: most often it has no fake kernel.
+        unprobed.update({op: "the probe could not call it on fake tensors (it has no fake/meta "
+                             "kernel, or arguments the probe cannot make up)" for op in registered})
+    return tuple(p for p in found if p is not None), unprobed
 
 
 def default_policy(op: str, device_type: str, low: torch.dtype) -> OpPolicy:
@@ -292,7 +347,7 @@ def default_policy(op: str, device_type: str, low: torch.dtype) -> OpPolicy:
 
     Overloads that disagree (none do in torch 2.x) resolve to the first one in name order.
     """
-    policies = _probed_policies(device_type, low, _ATEN_NAMES.get(op, op))
+    policies = _probed(device_type, low, _ATEN_NAMES.get(op, op))[0]
     return policies[0] if policies else OpPolicy.FOLLOW
 
 
@@ -305,16 +360,18 @@ def autocast_op_lists(device_type: str, low: torch.dtype = torch.bfloat16) -> Op
     represent.
     """
     _fake_mode(device_type)       # fail early and clearly, not op by op
-    names = {_base_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(
+    names = {_list_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(
         _autocast_key(device_type))}
     by_policy: dict[OpPolicy, set[str]] = {p: set() for p in OpPolicy}
+    unprobed: dict[str, str] = {}
     with _quiet_stderr():
         for name in names:
-            policies = _probed_policies(device_type, low, name)
+            policies, missed = _probed(device_type, low, name)
+            unprobed.update(missed)
             if policies:
                 by_policy[policies[0]].add(name)
     return OpLists(device_type, frozenset(by_policy[OpPolicy.LOW]), frozenset(by_policy[OpPolicy.FP32]),
-                   frozenset(by_policy[OpPolicy.FOLLOW]))
+                   frozenset(by_policy[OpPolicy.FOLLOW]), dict(sorted(unprobed.items())))
 
 
 def effective_edits(edits: Mapping[str, OpPolicy], device_type: str,
