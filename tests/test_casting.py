@@ -53,12 +53,17 @@ def test_pure_recipe_casts_weights_keeps_norms_fp32_and_routes_dtypes():
     assert len(mp.master.masters) == 6 and all(m.dtype == torch.float32 for m in mp.master.masters)
 
 
-def test_autocast_recipe_keeps_weights_and_casts_only_outputs():
+def test_autocast_recipe_keeps_weights_and_hands_on_what_autocast_makes():
     model = Net()
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")
     assert all(p.dtype == torch.float32 for p in model.parameters()) and mp.master is None
+    x = torch.randn(2, 1, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
     with mp.autocast():
-        assert model(torch.randn(2, 1, 8, 8)).dtype == torch.float32
+        out = model(x)
+    # torch.amp's logits, dtype and bits: a drop-in changes nothing the caller's loss sees.
+    assert out.dtype == expected.dtype == torch.bfloat16 and torch.equal(out, expected)
 
 
 def test_prepared_model_still_serialises():
@@ -113,6 +118,14 @@ def test_outputs_are_cast_where_the_loss_needs_it_not_copied_wholesale():
         with_loss, bare = model(x, labels), model(x)
     # The model computed its loss: the loss comes out fp32 and the logits are not copied to fp32.
     assert with_loss["loss"].dtype == torch.float32 and with_loss["logits"].dtype == torch.bfloat16
-    # No loss inside: on CPU the caller's cross-entropy needs fp32 logits, so they are cast.
+    # No loss inside: the logits are autocast's (its F.cross_entropy runs in fp32 from them).
+    assert bare["logits"].dtype == torch.bfloat16
+    # A pure recipe has no fp32 weights to give fp32 logits: on CPU, where autocast would run
+    # log_softmax in bf16, its logits are cast for the caller's loss.
+    model = LossInside()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-pure")
+    with mp.autocast():
+        with_loss, bare = model(x, labels), model(x)
+    assert with_loss["loss"].dtype == torch.float32 and with_loss["logits"].dtype == torch.bfloat16
     assert bare["logits"].dtype == torch.float32
     assert torch.equal(bare["logits"], with_loss["logits"].float())

@@ -14,6 +14,7 @@ from torch import nn
 
 from mixprec import MixedPrecision, parse_recipe
 from mixprec import engine as engine_module
+from mixprec import optimizer_step
 
 from conftest import OPTIMIZERS, batches, tiny_model
 
@@ -95,7 +96,7 @@ def test_fault_injection_200_cases_leave_everything_bitwise_unchanged():
 @pytest.mark.parametrize("case", [3, 7, 11])
 def test_a_broken_engine_that_never_skips_fails_the_fault_check(case, monkeypatch):
     # Break the overflow detection: every norm looks finite, so inf/NaN reach the optimizer.
-    monkeypatch.setattr(engine_module.torch, "isfinite", lambda t: torch.ones_like(t, dtype=torch.bool))
+    monkeypatch.setattr(optimizer_step, "nonfinite", lambda norm: torch.zeros_like(norm, dtype=torch.bool))
     with pytest.raises(AssertionError):
         run_fault_case(case)
 

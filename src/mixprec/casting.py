@@ -5,9 +5,10 @@ keeps fp32 (normalisations by default: their mean and variance reduce over many 
 floating buffer only where ``buffers.cast_buffers`` finds it safe (running statistics, and tables a
 cast would round, such as rotary frequencies, stay fp32). Softmax and the loss are computed in fp32
 (a sum over many terms loses small ones in 16 bits) under every low-compute recipe: a loss the model
-returns (a floating 0-d output) is cast to fp32; logits are cast to fp32 only where autocast's op
-lists would leave the loss's log_softmax in 16 bits (CPU) and the model did not compute its loss
-itself. On CUDA autocast runs log_softmax in fp32 straight from 16-bit logits, so the logits stay
+returns (a floating 0-d output) is cast to fp32 (an fp16 loss times the loss scale would overflow);
+under a pure recipe, logits are cast to fp32 only where autocast's op lists would leave the loss's
+log_softmax in 16 bits (CPU) and the model did not compute its loss itself. An autocast recipe hands
+logits on as torch.autocast made them: its ``F.cross_entropy`` is autocast's, in fp32. On CUDA autocast runs log_softmax in fp32 straight from 16-bit logits, so the logits stay
 16-bit and no fp32 copy of them is kept (compute the loss inside ``mp.autocast()``).
 
 Per-module precision (``Recipe.modules``, and ``fp32_modules`` in pure recipes) makes *regions*: a
@@ -179,9 +180,12 @@ def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None,
         handles.append(model.register_forward_pre_hook(
             functools.partial(_cast_inputs_hook, dtype=dtype), with_kwargs=True))
     if recipe.compute.is_low:
+        # Logits: an autocast recipe hands the caller what torch.autocast gives, so its loss is
+        # torch.amp's bit for bit (F.cross_entropy is on autocast's fp32 list everywhere); only a pure
+        # recipe's 16-bit logits are lifted where autocast would run log_softmax in 16 bits.
+        cast_tensors = recipe.param.is_low and not autocast_softmax_is_fp32(device_type, recipe.compute.dtype)
         handles.append(model.register_forward_hook(
-            functools.partial(_cast_output_hook, dtype=torch.float32,
-                              cast_tensors=not autocast_softmax_is_fp32(device_type, recipe.compute.dtype))))
+            functools.partial(_cast_output_hook, dtype=torch.float32, cast_tensors=cast_tensors)))
     return handles
 
 

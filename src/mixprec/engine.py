@@ -44,12 +44,12 @@ from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackwar
 from .master import MasterWeights
 from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
 from .oplists import op_list_mode
-from .optimizer_step import (fused_optimizer_step, fused_step_ok, generic_optimizer_step, master_whole,
-                             optimizer_grads, unscale_and_clip)
+from .optimizer_step import (fused_optimizer_step, fused_step_ok, generic_optimizer_step,
+                             host_fused_optimizer_step, master_whole, optimizer_grads, unscale_and_clip)
 from .recipe import Precision, Recipe, get_recipe
 from .usage_checks import UsageChecks, bare_step_reason
 from .recipe.moments import Moments
-from .saved16 import Saved, SavedPacker
+from .saved16 import Saved, SavedPacker, warn_if_compiled_saves
 from .step_result import StepObserver, StepResult
 
 __all__ = ["MixedPrecision", "StepResult", "StepObserver", "Fp8EmulationWarning"]
@@ -155,9 +155,12 @@ class MixedPrecision:
                              "recipe (e.g. 'fp8') or drop fp8_filter")
         self._hooks = cast_model(model, self.recipe, self.device.type,
                                  cast_params=not self.grad_sync.fsdp)
-        # Any 16-bit compute: some fp32 activations it saves can be kept in 16 bits (saved16.py).
+        # saved=exact|low with 16-bit compute: some fp32 activations it saves are kept in 16 bits
+        # (saved16.py). Off by default: nothing is installed.
         self._packs_saved = self.recipe.saved is not Saved.FP32 and (
             self.recipe.compute.is_low or any(p.is_low for _, p in self.recipe.modules))
+        # Whether the first backward still has to look for a compiled region, where saved= does not apply.
+        self._saved_compile_check = self._packs_saved
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
@@ -176,6 +179,9 @@ class MixedPrecision:
         self._checks.guard_optimizer(optimizer, bare_step_reason(
             self.recipe, not isinstance(self.loss_scale, NoLossScale), self.master is not None,
             self.moments is not None))
+        # What zero_grad() clears beyond the optimizer's own zero_grad (fp32 copies replaced their weights).
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._outside_optimizer = [p for p in model.parameters() if id(p) not in held]
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
         self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
         self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep
@@ -193,13 +199,16 @@ class MixedPrecision:
         saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         self._checks.entered_autocast = True
+        # Inside a function torch.compile traces, the graph decides what it saves (saved16.py): the
+        # saved_tensors_hooks would only break the graph.
+        packs = self._packs_saved and torch.is_grad_enabled() and not torch.compiler.is_compiling()
         try:
             with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
                                 enabled=self.recipe.autocast), \
                     self._op_mode or contextlib.nullcontext(), \
                     (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
                      else contextlib.nullcontext()), \
-                    (SavedPacker(self.recipe.saved) if self._packs_saved and torch.is_grad_enabled()
+                    (SavedPacker(self.recipe.saved) if packs
                      else contextlib.nullcontext()):     # fp32 saves kept in 16 bits (saved16.py)
                 yield
         finally:
@@ -220,6 +229,9 @@ class MixedPrecision:
             raise ValueError("the loss does not require grad: was it computed under torch.no_grad() or "
                              "from detached tensors?")
         self._checks.on_backward()     # warns once if the forward ran outside mp.autocast()
+        if self._saved_compile_check:
+            self._saved_compile_check = False
+            warn_if_compiled_saves(loss, self.recipe.saved)     # once: saved= stops at compiled regions
         with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext():
             self.loss_scale.scale(loss).backward(**kwargs)
 
@@ -265,6 +277,9 @@ class MixedPrecision:
         if compiled:
             found_inf, grad_norm = self._compiled_step(grads)
             stepped = None      # decided on the device: no host sync
+        elif fused_step_ok(self) and self.device.type == "cpu":
+            found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
+            stepped = host_fused_optimizer_step(self, divisor, found_inf)   # a CPU read: no wait
         elif fused_step_ok(self):
             found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
             fused_optimizer_step(self, divisor, found_inf.to(torch.float32))
@@ -281,11 +296,15 @@ class MixedPrecision:
             self._overflow_check = (found_inf, scale, self._nonfinite.take())
             self._overflow = None
         if not compiled:     # the compiled step updates the scale inside its graph
-            self.loss_scale.update(found_inf)
+            self.loss_scale.update(found_inf, None if stepped is None else not stepped)
         if stepped is False and isinstance(self.loss_scale, DynamicLossScale):
             self.loss_scale.warn_if_at_floor()
         self._checks.after_step(model_grads, found_inf, stepped)   # warns after 10 skips in a row
-        return StepResult(found_inf, self.loss_scale.value.clone(), grad_norm)
+        # Only a dynamic scale changes S in place afterwards: the others' S is this step's as it is.
+        scale_after = self.loss_scale.value
+        if isinstance(self.loss_scale, DynamicLossScale):
+            scale_after = scale_after.clone()
+        return StepResult(found_inf, scale_after, grad_norm)
 
     def compile_step(self, **options: Any) -> MixedPrecision:
         """Run every later ``step()`` as one ``torch.compile`` graph; returns the engine.
@@ -349,9 +368,16 @@ class MixedPrecision:
 
     # ----------------------------------------------------------------- helpers
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model's gradients and those of the fp32 copies."""
+        """Clear the model's gradients and those of the fp32 copies: the optimizer's ``zero_grad``, then
+        the model's parameters the optimizer does not hold (16-bit weights behind fp32 copies, weights
+        left out of it), listed once at construction rather than walked each step."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self.model.zero_grad(set_to_none=set_to_none)
+        for p in self._outside_optimizer:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:     # as nn.Module.zero_grad does it
+                p.grad.detach_() if p.grad.grad_fn is not None else p.grad.requires_grad_(False)
+                p.grad.zero_()
         if self.master is not None:
             self.master.zero_grad(set_to_none)
 

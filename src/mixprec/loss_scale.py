@@ -32,7 +32,7 @@ class LossScale(Protocol):
     skipped: torch.Tensor   # () int64: of those, the steps skipped for non-finite gradients
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
-    def update(self, found_inf: torch.Tensor) -> None: ...
+    def update(self, found_inf: torch.Tensor, skipped: bool | None = None) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -50,10 +50,17 @@ class _CountingScale:
         """``loss * S`` (in the loss's dtype, fp32 for the losses autocast produces). No sync."""
         return loss * self.value.to(loss.dtype)
 
-    def update(self, found_inf: torch.Tensor) -> None:
-        """Count the step and whether it was skipped. ``found_inf`` is a () bool tensor. No sync."""
+    def update(self, found_inf: torch.Tensor, skipped: bool | None = None) -> None:
+        """Count the step and whether it was skipped. ``found_inf`` is a () bool tensor; ``skipped`` the
+        same answer where the host already has it (the generic step synced for it), else None. No sync."""
+        self._count(found_inf, skipped)
+
+    def _count(self, found_inf: torch.Tensor, skipped: bool | None) -> None:
         self.steps += 1
-        self.skipped += found_inf.to(torch.int64)
+        if skipped is None:
+            self.skipped += found_inf   # bool into int64, in place: no cast of its own
+        elif skipped:
+            self.skipped += 1           # known on the host: a clean step costs no op here
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {"value": self.value, "steps": self.steps, "skipped": self.skipped}
@@ -109,16 +116,34 @@ class DynamicLossScale(_CountingScale):
         # Compile the update into one kernel where launches cost most (a GPU); eager elsewhere.
         self.fused = torch.device(device).type == "cuda"
 
-    def update(self, found_inf: torch.Tensor) -> None:
+    def update(self, found_inf: torch.Tensor, skipped: bool | None = None) -> None:
         """Apply one step's outcome to S with a handful of tiny device ops. No host sync.
 
         On CUDA (``fused``) those ops run as one compiled kernel (``fusion.FusedFunction``) instead
-        of about 25 launches; the numbers are the same.
+        of about 25 launches. Elsewhere, with ``hysteresis=1`` (the default), torch's own
+        ``_amp_update_scale_`` (GradScaler's kernel: back off on an overflow, grow after
+        ``growth_interval`` clean steps) then one clamp into ``[floor, ceiling]`` do it in 7 ops where
+        the general update takes about 30. The numbers are the same either way. ``skipped`` (the
+        host's answer, where it has one) lets the floor count be kept on the host: no device op.
         """
         c = self.config
-        _fused_dynamic_update(self.value, self.steps, self.skipped, self.clean_steps, self.hysteresis_left,
-                              self.floor_skips, found_inf, c.growth, c.backoff, c.growth_interval,
-                              c.hysteresis, c.floor, c.ceiling, fused=self.fused)
+        if self.fused or c.hysteresis != 1:
+            _fused_dynamic_update(self.value, self.steps, self.skipped, self.clean_steps, self.hysteresis_left,
+                                  self.floor_skips, found_inf, c.growth, c.backoff, c.growth_interval,
+                                  c.hysteresis, c.floor, c.ceiling, fused=self.fused)
+            return
+        # Steps skipped with S already at its floor (the warning's count), read before S changes.
+        if skipped is None:
+            self.floor_skips += found_inf & (self.value <= c.floor)
+        elif skipped and float(self.value) <= c.floor:     # a skipped step: the host has synced already
+            self.floor_skips += 1
+        # found_inf: back off (x backoff) and restart the clean count; else count, and at the interval
+        # grow (x growth) and restart. With one overflow allowed (hysteresis 1) that is the whole rule.
+        torch._amp_update_scale_(self.value, self.clean_steps, found_inf.to(torch.float32),
+                                 c.growth, c.backoff, c.growth_interval)
+        # Powers of two times powers of two stay exact in fp32; the clamp keeps S in [floor, ceiling].
+        self.value.clamp_(c.floor, c.ceiling)
+        self._count(found_inf, skipped)
 
     def warn_if_at_floor(self) -> None:
         """Warn once if steps were skipped with S already at its floor. Syncs with the host."""

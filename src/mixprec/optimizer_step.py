@@ -18,6 +18,7 @@ traces the same functions into its graph.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,8 @@ from .loss_scale import NoLossScale
 if TYPE_CHECKING:
     from .engine import MixedPrecision
 
-__all__ = ["unscale_and_clip", "divides", "fused_step_ok", "fused_optimizer_step", "generic_optimizer_step",
+__all__ = ["unscale_and_clip", "nonfinite", "divides", "fused_step_ok", "fused_optimizer_step",
+           "host_fused_optimizer_step", "generic_optimizer_step", "skip_optimizer_step",
            "master_whole", "optimizer_grads", "update", "fused_kernel_optimizer"]
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
@@ -45,9 +47,10 @@ def unscale_and_clip(engine: MixedPrecision, grads: list[torch.Tensor]) -> tuple
     # Chunked fp32 copies: the norm reads 16-bit gradients, whichever chunk cast them (grad_norm).
     norm = engine._grad_norm if engine.master is not None and not master_whole(engine) else global_norm_f32
     scaled_norm = norm(grads, engine.grad_sync)   # the same on every rank
-    found_inf = ~torch.isfinite(scaled_norm)
-    # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding.
-    grad_norm = scaled_norm / scale
+    found_inf = nonfinite(scaled_norm)
+    # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding;
+    # without a loss scale S is exactly 1 (a Python-level fact of NoLossScale) and nothing is divided.
+    grad_norm = scaled_norm if isinstance(engine.loss_scale, NoLossScale) else scaled_norm / scale
     # Without a loss scale or clipping there is no division at all (S = 1 exactly, a Python-level
     # fact of NoLossScale).
     divisor = scale if divides(engine) else None
@@ -55,6 +58,12 @@ def unscale_and_clip(engine: MixedPrecision, grads: list[torch.Tensor]) -> tuple
         clip = (engine.clip_grad_norm / (grad_norm + CLIP_EPS)).clamp(max=1.0)
         divisor = scale / clip
     return found_inf, grad_norm, divisor
+
+
+def nonfinite(norm: torch.Tensor) -> torch.Tensor:
+    """() bool: the norm is inf or NaN. A norm is >= 0 or NaN, so "not below inf" says it in two tiny
+    ops (``~torch.isfinite`` takes five on a CPU)."""
+    return ~(norm < math.inf)
 
 
 def divides(engine: MixedPrecision) -> bool:
@@ -101,8 +110,9 @@ def fused_step_ok(engine: MixedPrecision) -> bool:
 
 
 def fused_optimizer_step(engine: MixedPrecision, divisor: torch.Tensor | None,
-                         found_inf_f32: torch.Tensor) -> None:
-    """The optimizer divides by ``divisor`` and skips where ``found_inf_f32`` is 1, in its kernel."""
+                         found_inf_f32: torch.Tensor | None) -> None:
+    """The optimizer divides by ``divisor`` and skips where ``found_inf_f32`` is 1, in its kernel
+    (None: the host has decided to step)."""
     # Set on the optimizer that owns the kernel; engine.optimizer.step() (a wrapper's, if any) calls it.
     opt = fused_kernel_optimizer(engine.optimizer)
     opt.grad_scale = divisor                       # type: ignore[attr-defined]
@@ -120,12 +130,30 @@ def generic_optimizer_step(engine: MixedPrecision, grads: list[torch.Tensor], di
     if stepped:
         update(engine, None if divisor is None else 1.0 / divisor)
     else:
-        # An LR scheduler stepping next to us would warn that optimizer.step() was never
-        # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
-        engine.optimizer._opt_called = True  # type: ignore[attr-defined]
-        if engine.master is not None and not master_whole(engine):
-            engine.master.skip_step()
+        skip_optimizer_step(engine)
     return stepped
+
+
+def host_fused_optimizer_step(engine: MixedPrecision, divisor: torch.Tensor | None,
+                              found_inf: torch.Tensor) -> bool:
+    """The fused path where ``found_inf`` lives on the CPU: reading it waits on nothing, so the host
+    decides, as the generic path does, and the kernel gets no ``found_inf`` to test (nor the step
+    counts to take back after a skip). Returns whether it stepped."""
+    stepped = not bool(found_inf)
+    if stepped:
+        fused_optimizer_step(engine, divisor, None)
+    else:
+        skip_optimizer_step(engine)
+    return stepped
+
+
+def skip_optimizer_step(engine: MixedPrecision) -> None:
+    """A step skipped on the host: nothing is touched but the bookkeeping."""
+    # An LR scheduler stepping next to us would warn that optimizer.step() was never
+    # called; the skip is deliberate, so mark the optimizer as torch's wrapper would.
+    engine.optimizer._opt_called = True  # type: ignore[attr-defined]
+    if engine.master is not None and not master_whole(engine):
+        engine.master.skip_step()
 
 
 def optimizer_grads(engine: MixedPrecision) -> list[torch.Tensor]:

@@ -9,20 +9,26 @@ Under a 16-bit recipe some tensors autograd saves are still fp32 (``mixprec insp
   branch outputs promote to fp32), log-softmax outputs of the fp32 loss. Rounding these to bf16 for the
   backward is a real, if small, change: the backward sees them with bf16's 8-bit mantissa.
 
-``Saved`` (the recipe's ``saved=`` key) picks the policy: ``fp32`` keeps everything as autograd made it;
-``exact`` stores exact upcasts in their 16-bit source dtype, losslessly, and trains bit for bit like
-torch.autocast; ``low`` (the default) also rounds the other differentiable fp32 activations made under
+``Saved`` (the recipe's ``saved=`` key) picks the policy: ``fp32`` (the default) keeps everything as
+autograd made it; ``exact`` stores exact upcasts in their 16-bit source dtype, losslessly, and trains bit
+for bit like torch.autocast; ``low`` also rounds the other differentiable fp32 activations made under
 autocast to bf16 (bf16: fp32's range, so nothing overflows). Not rounded, whatever the policy: softmax and
 log-softmax outputs (the backward takes their exponential, which would carry bf16's error times the
 log-probability), tensors saved inside a region the recipe keeps in fp32 (autocast is off there), norm
 statistics and other tensors without a ``grad_fn``.
 
-Why ``low`` is the default: under an autocast recipe the residual stream of a transformer is fp32 (fp32
-embeddings plus 16-bit branch outputs), and every norm saves its input. Those fp32 saves are a sixth of
-gpt2's activations under bf16. Rounding them for the backward only (the forward stays exact) perturbs the
-gradient by less than bf16 compute already does (``tests/test_saved16.py``), and gpt and cnn train within
-fp32's seed-to-seed noise with it (benchmarks/RESULTS.md); Megatron-style bf16 training keeps the whole
-residual stream in bf16, forward included. ``saved=exact`` is one key away for bit parity with torch.amp.
+Why ``fp32`` is the default: a recipe torch.amp also offers must give torch.amp's numbers at torch.amp's
+speed unless the user asks for more. ``low`` changes the gradients (within bf16's rounding) and ``exact``,
+though lossless, runs a Python pack and unpack per saved tensor plus a cast each way: on a 4-layer LM on
+a CPU it dispatched 111 more aten ops per step and was 1.06-1.09x slower with ``low`` (issue 22). What
+they buy is memory: under an autocast recipe the residual stream of a transformer is fp32 (fp32
+embeddings plus 16-bit branch outputs) and every norm saves its input; those fp32 saves are a sixth of
+gpt2's activations under bf16. Ask for them by name (``bf16,saved=low``) where activations bound the batch
+(``docs/memory.md`` has the measured saving and cost).
+
+Under ``torch.compile`` the policy applies to what runs eagerly: a compiled region saves what its own
+graph decides (AOTAutograd's partitioner picks and stores its saved tensors inside the graph), so
+``saved=`` does not change a compiled model's numbers; the engine says so once.
 
 ``SavedPacker`` is the ``saved_tensors_hooks`` pair that does it; the engine enters it inside
 ``autocast()``. It composes with hooks entered around it (``SavedTensorMeter`` counts the packed 16-bit
@@ -39,12 +45,13 @@ backward.
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["Saved", "SavedPacker", "upcast_source"]
+__all__ = ["Saved", "SavedPacker", "upcast_source", "warn_if_compiled_saves", "SavedPolicyWarning"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -52,9 +59,9 @@ _LOW = (torch.float16, torch.bfloat16)
 class Saved(enum.Enum):
     """Which fp32 activations a 16-bit recipe saves in 16 bits (``saved=`` in a recipe string)."""
 
-    FP32 = "fp32"     # as autograd made them
-    EXACT = "exact"   # exact upcasts of 16-bit tensors kept in 16 bits: lossless, torch.autocast's numbers
-    LOW = "low"       # and other fp32 activations made under autocast rounded to bf16 (the default)
+    FP32 = "fp32"     # as autograd made them (the default): torch.autocast's numbers and speed
+    EXACT = "exact"   # exact upcasts of 16-bit tensors kept in 16 bits: lossless, less memory, Python per save
+    LOW = "low"       # and other fp32 activations made under autocast rounded to bf16: lossy, least memory
 
     @classmethod
     def parse(cls, word: str) -> Saved:
@@ -62,7 +69,8 @@ class Saved(enum.Enum):
             return cls(word.strip().lower())
         except ValueError:
             raise ValueError(f"unknown saved {word!r}; valid values: {', '.join(s.value for s in cls)} "
-                             "(exact: lossless; low, the default: fp32 activations rounded to bf16 for the backward)"
+                             "(fp32, the default: as autograd saves them; exact: upcasts kept in 16 bits, lossless; low: "
+                             "fp32 activations also rounded to bf16 for the backward)"
                              ) from None
 
 
@@ -164,6 +172,32 @@ class SavedPacker:
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
         self._cache.clear()      # the saved graph holds what it packed; the cache only deduplicates
+
+
+class SavedPolicyWarning(UserWarning):
+    """``saved=exact|low`` does not reach into a ``torch.compile``'d region of the model."""
+
+
+def warn_if_compiled_saves(loss: torch.Tensor, policy: Saved, limit: int = 100_000) -> bool:
+    """Warn, and return True, when ``loss``'s autograd graph holds a compiled region (a
+    ``CompiledFunctionBackward`` node): what that region saves, its graph decides, and ``policy`` does
+    not change it, so compiled and eager runs would differ without a word. Walks at most ``limit``
+    nodes; the engine calls it on the first backward only (Python, no device work)."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack and len(seen) < limit:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if fn.name().startswith("CompiledFunctionBackward"):
+            warnings.warn(f"saved={policy.value} applies to the eager parts of the model only: a "
+                          "torch.compile'd region saves what its graph decides, in the dtypes the forward "
+                          "made (compiled runs train as with saved=exact, which is lossless). Use "
+                          "saved=fp32 (the default) to silence this, or run the model eagerly for "
+                          f"saved={policy.value}'s memory saving", SavedPolicyWarning, stacklevel=3)
+            return True
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return False
 
 
 def _top_hooks() -> Any:

@@ -197,20 +197,20 @@ class UsageChecks:
             self.stepped_grads = [(weakref.ref(g), g._version) for g in model_grads]
         if self.warned_skips:
             return
+        if stepped is None and found_inf.device.type == "cpu":
+            stepped = not bool(found_inf)     # a CPU tensor: reading it waits on nothing
         if stepped is not None:
             self.skip_run_py = 0 if stepped else self.skip_run_py + 1
             run = self.skip_run_py
         else:
-            # run = run + 1 if skipped else 0: one tiny device op, no sync.
-            self.skip_run.copy_(torch.where(found_inf, self.skip_run + 1, 0))
+            # run = (run + 1) * skipped: 0 after a step, one more after a skip; two tiny ops, no sync.
+            self.skip_run.add_(1).mul_(found_inf)
             run = self._read_run_if_free()
         if run is not None and run >= SKIP_WARNING_AFTER:
             self.warned_skips = True
             self.warn_skips(run)
 
     def _read_run_if_free(self) -> int | None:
-        if self.skip_run.device.type == "cpu":
-            return int(self.skip_run)      # a CPU tensor: reading it waits on nothing
         if not torch.cuda.is_available() or self.skip_run.device.type != "cuda":
             return None
         # A copy issued at an earlier step is read once its event reports done (query never blocks).

@@ -125,7 +125,7 @@ class Recipe:
     modules: tuple[tuple[str, Precision], ...] = ()
     fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe/fp8.py)
     moments: Moments = Moments.FP32  # Adam's moments: fp32 (the user's optimizer) or compact (recipe/moments.py)
-    saved: Saved = Saved.LOW       # fp32 activations autograd saves, which fp32 saves autograd keeps in 16 bits (saved16.py)
+    saved: Saved = Saved.FP32      # which fp32 activations autograd saves are kept in 16 bits (saved16.py); none by default
 
     def __init__(self, param: Precision = Precision.FP32, compute: Precision = Precision.FP32,
                  master: Precision | None = None, loss_scale: LossScaleConfig | None = None,
@@ -133,7 +133,7 @@ class Recipe:
                  fp32_modules: Iterable[str] = DEFAULT_FP32_MODULES, fp32_ops: Iterable[str] = (),
                  low_ops: Iterable[str] = (), follow_ops: Iterable[str] = (),
                  modules: Iterable[tuple[str, Precision]] = (), fp8: Fp8Config | None = None,
-                 moments: Moments = Moments.FP32, saved: Saved = Saved.LOW) -> None:
+                 moments: Moments = Moments.FP32, saved: Saved = Saved.FP32) -> None:
         """Build and check a recipe; every field is set once, here, in its canonical form.
 
         ``loss_scale=None`` takes the default: dynamic where anything computes in fp16 (``compute`` or a
@@ -250,7 +250,7 @@ class Recipe:
             parts.append(f"fp8={self.fp8}")
         if self.moments is not Moments.FP32:
             parts.append(f"moments={self.moments.value}")
-        if self.saved is not Saved.LOW:
+        if self.saved is not Saved.FP32:
             parts.append(f"saved={self.saved.value}")
         return ",".join(parts)
 
@@ -291,7 +291,7 @@ def parse_recipe(text: str) -> Recipe:
     ``fp32_ops``/``low_ops``/``follow_ops`` (op names joined by ``+``), ``modules`` (``PATTERN:PRECISION``
     joined by ``+``), ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none),
     ``moments`` (fp32|bf16|bf16-sr|fp8: Adam's moments, see ``recipe/moments.py``; default fp32),
-    ``saved`` (fp32|exact|low: fp32 activations saved in 16 bits, see ``saved16``; default low).
+    ``saved`` (fp32|exact|low: fp32 activations saved in 16 bits, see ``saved16``; default fp32: as autograd saves them).
     A named recipe may lead, and the keys after it change it: ``bf16,fp32_ops=softmax`` is bf16 with
     softmax in fp32.
     """
