@@ -18,7 +18,7 @@ from mixprec import memory_report
 from mixprec.lab.compare.render import format_bytes
 from mixprec.lab.workloads import get_workload
 
-RECIPES = ("fp32;bf16,saved=fp32;bf16,saved=exact;bf16;bf16-pure,saved=fp32;bf16-pure;bf16-pure,saved=low;"
+RECIPES = ("fp32;bf16;bf16,saved=exact;bf16,saved=low;bf16-pure;bf16-pure,saved=exact;bf16-pure,saved=low;"
            "fp16-pure;fp8;bf16-sr;bf16-sr,moments=bf16-sr;bf16-sr,moments=fp8")
 
 
