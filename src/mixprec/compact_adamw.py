@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .master import stochastic_round_bf16
+from .stochastic_rounding import stochastic_round_bf16
 from .recipe.moments import FP8_BLOCK, Moments
 
 __all__ = ["CompactAdamW", "encode_moment", "decode_moment", "moment_bytes"]
@@ -51,7 +51,7 @@ def _sr_e4m3(y: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
     Normal range: e4m3 keeps 3 of fp32's 23 mantissa bits; adding a uniform integer in [0, 2**20) to the
     bit pattern and clearing the low 20 bits rounds the magnitude up with probability equal to the
-    dropped fraction of an ulp (master.stochastic_round_bf16's trick with 20 bits instead of 16). Below
+    dropped fraction of an ulp (stochastic_rounding.stochastic_round_bf16's trick with 20 bits instead of 16). Below
     2**-6 the grid is fixed (step 2**-9): floor(y * 512 + u) / 512 with u = noise / 2**20 in [0, 1).
     """
     normal = ((y.view(torch.int32) + noise) & -(1 << 20)).view(torch.float32)

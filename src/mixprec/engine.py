@@ -290,7 +290,9 @@ class MixedPrecision:
         for observer in self._step_observers.values():
             observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
         if self.master is not None and whole and (stepped is not False or not self.master.keep):
-            self.master.push_weights()      # chunked steps rounded each chunk into the model already
+            # Chunked steps rounded each chunk into the model already. found_inf: a skipped step does
+            # not advance bf16-sr's rounding noise (a run that skipped equals one that never saw it).
+            self.master.push_weights(found_inf=found_inf)
         if self._nonfinite is not None:
             # Keep what last_overflow needs (this step's traced ops) until the next step() replaces it.
             self._overflow_check = (found_inf, scale, self._nonfinite.take())

@@ -20,6 +20,15 @@ frees the transients before the next chunk. So the step's extra memory is bounde
 (64 MiB by default; a single tensor larger than that is its own chunk), and a model whose fp32 copies
 fit in one chunk steps in one ``optimizer.step()`` call exactly as a plain optimizer would.
 
+A chunk's fp32 transients are laid end to end in one flat buffer, and the per-tensor copies the
+optimizer sees are views of it (made in one call, ``_views``). So every pass over the data is one op
+per chunk, never one per tensor: one ``torch._foreach_copy_`` casts the chunk's 16-bit weights in, one
+its gradients, a few elementwise ops over the flat buffer round it (``stochastic_round_bf16_``) and
+one ``torch._foreach_copy_`` casts or copies the result into the model. What stays per tensor is
+Python bookkeeping that reads no data (pointing each copy at its view, and back at an empty tensor).
+With ``keep=False`` one buffer of the largest chunk's size serves every chunk of a step and is freed
+when the step ends.
+
 On CPU the chunks of a step in several chunks, and a single chunk of at least ``_WORKSPACE_MIN`` (32
 MiB) of fp32 gradients, are cast into one flat fp32 workspace that is kept between steps (the largest
 chunk: at most ``chunk_bytes``, or one larger tensor; ``workspace_bytes``): allocating each chunk's
@@ -32,9 +41,13 @@ The engine reads the global norm before the first chunk steps, from the model's 
 (``grad_norm.GradNorm``: no fp32 copies), whatever the chunking: the same tensors read the same way, so
 a chunked step's norm, and with it the clip and the skip, is bitwise the one-call step's.
 
-    >>> w = torch.full((100_000,), 1.0)
-    >>> stochastic_round_bf16(w + 2**-10, torch.Generator().manual_seed(0)).float().mean().item()
-    1.0009...
+The stochastic rounding's noise (``stochastic_rounding.RoundingNoise``) is a function of the seed,
+the number of steps taken and the element's position: not of the chunking (a chunked step rounds bitwise as the one-call
+step), not of the device (integer arithmetic), and not of skipped steps (the count of steps taken
+advances on the device by ``1 - found_inf``, no host sync), so a run that skipped a bad step rounds
+the rest of its steps exactly as one that never saw it. That holds in ``step``, which reads the flag
+the engine hands a fused optimizer; ``push_weights`` (the copies filled whole, for step observers or
+a compiled step) counts every call as a step taken unless it is handed ``found_inf`` too.
 """
 
 from __future__ import annotations
@@ -46,8 +59,9 @@ import torch
 from torch import nn
 
 from .recipe import Rounding
+from .stochastic_rounding import RoundingNoise, stochastic_round_bf16_
 
-__all__ = ["MasterWeights", "stochastic_round_bf16", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["MasterWeights", "DEFAULT_CHUNK_BYTES"]
 
 # The fp32 transients of one optimizer call: small next to any model worth chunking (gpt2: 8 chunks),
 # large enough that a step makes few calls (a 7B model: ~420, each a multi-tensor kernel on CUDA).
@@ -55,19 +69,24 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 _WORKSPACE_MIN = 32 * 2**20      # CPU: fp32 gradient chunks this large go into a kept workspace
 
 
-def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Round fp32 ``x`` to bf16 up or down with probabilities that make the result unbiased.
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors shaped like ``like``, laid end to end in 1-D ``flat`` (views of it). One C++ call,
+    torch's own unflatten as DDP uses it, rather than a view per tensor made from Python."""
+    return list(torch._utils._unflatten_dense_tensors(flat, like)) if like else []
 
-    bf16 is fp32 with the low 16 mantissa bits dropped. Adding a uniform integer in [0, 2**16) to the
-    bit pattern and then truncating those bits carries into bit 16 with probability equal to the
-    dropped fraction of an ulp, for either sign (the low bits are magnitude bits). NaN stays NaN.
+
+def _found_inf(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The ``found_inf`` tensor torch's amp protocol hands a fused optimizer for this step, if any.
+
+    ``torch.amp.GradScaler``, and the engine's fused path alike, set it on the optimizer whose kernel
+    reads it (that one, or the one a pass-through wrapper holds as ``.optimizer``) for the duration of
+    ``step()``; the kernel skips the update where it is nonzero. None where the host decided.
     """
-    assert x.dtype == torch.float32, "stochastic rounding reads the fp32 bit pattern"
-    bits = x.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    # -65536 == 0xFFFF0000 as int32: clears the 16 bits bf16 does not hold, so .to(bf16) below is exact.
-    rounded = ((bits + noise) & -65536).view(torch.float32)
-    return torch.where(torch.isnan(x), x, rounded).to(torch.bfloat16)
+    for opt in (optimizer, getattr(optimizer, "optimizer", None)):
+        flag = getattr(opt, "found_inf", None)
+        if isinstance(flag, torch.Tensor):
+            return flag
+    return None
 
 
 class MasterWeights:
@@ -75,7 +94,7 @@ class MasterWeights:
 
     On construction the optimizer's references to ``params`` (still fp32 at that moment) are replaced
     by fp32 clones, and existing optimizer state moves with them. Call ``pull_grads`` before the
-    optimizer step and ``push_weights`` after it.
+    optimizer step and ``push_weights`` after it (or ``step``, which does both chunk by chunk).
     """
 
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, *,
@@ -84,13 +103,24 @@ class MasterWeights:
         if not (isinstance(chunk_bytes, int) and chunk_bytes > 0):
             raise ValueError(f"chunk_bytes must be a positive int (bytes of fp32 transients per optimizer "
                              f"call, e.g. {DEFAULT_CHUNK_BYTES}), got {chunk_bytes!r}")
+        if keep and rounding is Rounding.STOCHASTIC:
+            raise ValueError("stochastic rounding is for weights without a master copy (keep=False, "
+                             "recipe bf16-sr); with a master copy the weights are its nearest rounding")
         self.model_params = list(params)
+        devices = {p.device for p in self.model_params}
+        if len(devices) > 1:
+            raise ValueError(f"the low-precision parameters are on {len(devices)} devices "
+                             f"({', '.join(sorted(map(str, devices)))}): mixprec steps fp32 copies of "
+                             "one device's weights; move the model to one device")
+        self.device = devices.pop() if devices else torch.device("cpu")
         self.keep = keep
         self.rounding = rounding
         self.chunk_bytes = chunk_bytes
         self._workspace: torch.Tensor | None = None     # CPU only, see the module docstring
         self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
         self._planned = False                            # begin_step planned this step
+        # What pull_grads laid out for push_weights: (positions, flat fp32 weights), keep=False only.
+        self._pulled: tuple[list[int], torch.Tensor] | None = None
         # Clone before the model is cast: the master starts as the exact fp32 initial weights.
         self.masters = [nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
                         for p in self.model_params]
@@ -101,12 +131,25 @@ class MasterWeights:
         for p in self.model_params:
             if p in optimizer.state:
                 optimizer.state[by_id[id(p)]] = optimizer.state.pop(p)
-        self.generator: torch.Generator | None = None
+        self._numel = [p.numel() for p in self.model_params]
+        # The positions in the optimizer's order, as a one-chunk step lays them out; and where each
+        # copy starts in that layout (the rounding noise's positions, the same in every chunking).
+        order = [self._index[id(t)] for g in optimizer.param_groups for t in g["params"]
+                 if id(t) in self._index]
+        self._order = order + sorted(set(range(len(self.masters))) - set(order))
+        self._start = [0] * len(self.masters)
+        total = 0
+        for i in self._order:
+            self._start[i], total = total, total + self._numel[i]
+        # A transient copy between steps: one empty tensor, shared (the optimizer keys state by the
+        # Parameter object, which stays).
+        self._empty = torch.empty(0, dtype=torch.float32, device=self.device)
+        # Stochastic rounding's noise source; named as the torch.Generator it replaced (checkpoints).
+        self.generator: RoundingNoise | None = None
         if rounding is Rounding.STOCHASTIC:
-            device = self.masters[0].device if self.masters else torch.device("cpu")
-            self.generator = torch.Generator(device=device).manual_seed(seed)
+            self.generator = RoundingNoise(seed, total, self.device)
         if not keep:
-            self._release()
+            self._release(range(len(self.masters)))
 
     def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Plan the step's chunks (``step`` uses the plan). Casts nothing; no sync."""
@@ -127,41 +170,76 @@ class MasterWeights:
         return out
 
     def skip_step(self) -> None:
-        """A skipped step: drop the plan and any fp32 gradient; the weights stay as they are."""
+        """A skipped step: drop the plan and any fp32 gradient; the weights stay as they are, and so
+        does the rounding noise (no step was taken)."""
         self._planned = False
+        self._pulled = None
         for m in self.masters:
             m.grad = None
         if not self.keep:
-            self._release()
+            self._release(range(len(self.masters)))
 
     def numel_of(self, t: torch.Tensor) -> int:
         """Elements of ``t``; for an fp32 copy, of the weight it stands for (transient ones are empty)."""
         i = self._index.get(id(t))
-        return t.numel() if i is None else self.model_params[i].numel()
+        return t.numel() if i is None else self._numel[i]
 
     def pull_grads(self, which: list[int] | None = None, *, chunked: bool = False) -> None:
         """Cast the model's low-precision gradients into the fp32 copies (and, transient, the weights).
 
         Casting fp16/bf16 to fp32 is exact: the copies hold what backward made. ``which`` picks copies
-        by position (default: all); ``chunked``: they are one chunk of several (CPU: the workspace).
+        by position (default: all, in the optimizer's order); ``chunked``: they are one chunk of several
+        (CPU: the workspace).
         """
-        which = range(len(self.masters)) if which is None else which
-        workspace = self._workspace_for(which, chunked)
-        offset = 0
-        for i in which:
-            p, m = self.model_params[i], self.masters[i]
-            if not self.keep:
-                m.data = p.detach().float()
-            if workspace is not None and p.grad is not None:
-                m.grad = workspace[offset:offset + p.numel()].view(p.shape)
-                m.grad.copy_(p.grad)
-                offset += p.numel()
-            elif p.grad is None:
+        self._pull(self._order if which is None else list(which), chunked, None)
+
+    @torch.no_grad()
+    def _pull(self, which: list[int], chunked: bool, buffer: torch.Tensor | None) -> None:
+        """``pull_grads``; transient weights and gradients go into ``buffer`` (default: a fresh one)."""
+        if not which:
+            return
+        params = [self.model_params[i] for i in which]
+        masters = [self.masters[i] for i in which]
+        dense = [p for p in params if p.grad is not None and p.grad.layout == torch.strided]
+        if not self.keep:
+            # [weights | gradients], each in the chunk's order. The gradient half has a slot for every
+            # copy (a gradient-less one leaves its slot unused): it is the rounding's scratch later.
+            n = sum(self._numel[i] for i in which)
+            flat = buffer[:2 * n] if buffer is not None else torch.empty(2 * n, dtype=torch.float32,
+                                                                          device=self.device)
+            weights = _views(flat[:n], params)
+            torch._foreach_copy_(weights, params)    # bf16 -> fp32: exact
+            for m, w in zip(masters, weights):
+                m.data = w
+            slots = dict(zip(map(id, params), _views(flat[n:], params)))
+            dests = [slots[id(p)] for p in dense]
+            self._pulled = (which, flat[:n])
+        else:
+            workspace = self._workspace_for(which, chunked)
+            if workspace is not None:
+                dests = _views(workspace[:sum(p.numel() for p in dense)], dense)
+            else:   # not the CPU: a gradient already there is refilled in place (its address stays)
+                by_param = {id(p): m for p, m in zip(params, masters)}
+                dests = [by_param[id(p)].grad for p in dense]
+                dests = [d if d is not None and d.shape == p.shape else None for p, d in zip(dense, dests)]
+                # New ones: views of one block where the 16-bit gradient is contiguous; otherwise its
+                # own tensor in the gradient's layout (channels_last), as the optimizer's kernels want.
+                flat_ok = [p for p, d in zip(dense, dests) if d is None and p.grad.is_contiguous()]
+                made = iter(_views(torch.empty(sum(p.numel() for p in flat_ok), dtype=torch.float32,
+                                               device=self.device), flat_ok))
+                dests = [d if d is not None else next(made) if p.grad.is_contiguous()
+                         else torch.empty_like(p.grad, dtype=torch.float32) for p, d in zip(dense, dests)]
+        if dense:
+            torch._foreach_copy_(dests, [p.grad for p in dense])             # 16-bit -> fp32: exact
+        dest_of = dict(zip(map(id, dense), dests))
+        for p, m in zip(params, masters):
+            if p.grad is None:
                 m.grad = None
-            elif m.grad is None or m.grad.shape != p.grad.shape:
-                m.grad = p.grad.float()
+            elif id(p) in dest_of:
+                if m.grad is not dest_of[id(p)]:
+                    m.grad = dest_of[id(p)]
             else:
-                m.grad.copy_(p.grad)
+                m.grad = p.grad.float()      # a sparse gradient: cast on its own, as it is
 
     @property
     def workspace_bytes(self) -> int:
@@ -169,17 +247,17 @@ class MasterWeights:
         return 0 if self._workspace is None else self._workspace.untyped_storage().nbytes()
 
     def _workspace_for(self, which, chunked: bool) -> torch.Tensor | None:
-        if not self.keep or not self.masters or self.masters[0].device.type != "cpu":
+        if not self.keep or not self.masters or self.device.type != "cpu":
             return None
-        need = sum(self.model_params[i].numel() for i in which if self.model_params[i].grad is not None
+        need = sum(self._numel[i] for i in which if self.model_params[i].grad is not None
                    and self.model_params[i].grad.layout == torch.strided)
         if 4 * need < _WORKSPACE_MIN and not chunked:
             # Kept nothing between steps, but still one flat block for the chunk's casts: glibc reuses
             # one freed block, where many freed together were handed back to the kernel and faulted in
             # again each step (measured: one-chunk steps 1.5-2x slower at random).
-            return torch.empty(need, dtype=torch.float32, device=self.masters[0].device) if need else None
+            return torch.empty(need, dtype=torch.float32, device=self.device)
         if self._workspace is None or self._workspace.numel() < need:   # kept: at most the largest chunk
-            self._workspace = torch.empty(need, dtype=torch.float32, device=self.masters[0].device)
+            self._workspace = torch.empty(need, dtype=torch.float32, device=self.device)
         return self._workspace
 
     def step(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any],
@@ -194,42 +272,56 @@ class MasterWeights:
         """
         plan = self._step_plan if self._planned else self._plan(optimizer)
         self._planned = False
+        chunks = [self._order] if plan is None else [self._positions(chunk) for chunk in plan]
+        # Read before the optimizer runs: the flag its kernel will test (None: the host decided).
+        found_inf = _found_inf(optimizer)
+        tables = self.generator.tables() if self.generator is not None else None
+        buffer = None
+        if not self.keep:   # one [weights | gradients] buffer for every chunk: the largest one's size
+            largest = max((sum(self._numel[i] for i in which) for which in chunks), default=0)
+            buffer = torch.empty(2 * largest, dtype=torch.float32, device=self.device)
         if plan is None:            # everything fits one chunk: the optimizer's groups stay as built
-            everything = list(range(len(self.masters)))
-            self._step_chunk(optimizer, everything, step_fn, inv_divisor, chunked=False)
-            return
-        groups = optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for chunk in plan:
-                for group, members in zip(groups, chunk):
+            self._step_chunk(optimizer, chunks[0], step_fn, inv_divisor, False, buffer, tables)
+        else:
+            groups = optimizer.param_groups
+            saved = [g["params"] for g in groups]
+            try:
+                for chunk, which in zip(plan, chunks):
+                    for group, members in zip(groups, chunk):
+                        group["params"] = members
+                    self._step_chunk(optimizer, which, step_fn, inv_divisor, True, buffer, tables)
+            finally:
+                for group, members in zip(groups, saved):
                     group["params"] = members
-                self._step_chunk(optimizer, self._positions(chunk), step_fn, inv_divisor, chunked=True)
-        finally:
-            for group, members in zip(groups, saved):
-                group["params"] = members
+        if self.generator is not None:
+            self.generator.advance(found_inf)
 
     def _positions(self, chunk: list[list[torch.Tensor]]) -> list[int]:
         """The positions of a chunk's fp32 copies (its fp32 tensors of the model's own have none)."""
         return [self._index[id(t)] for members in chunk for t in members if id(t) in self._index]
 
-    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor, chunked: bool) -> None:
-        self.pull_grads(which, chunked=chunked)
+    def _step_chunk(self, optimizer, which: list[int], step_fn, inv_divisor, chunked: bool,
+                    buffer: torch.Tensor | None, tables) -> None:
+        self._pull(which, chunked, buffer)
         if inv_divisor is not None:
             # fp32 copies and fp32 model gradients alike: the optimizer sees grad * clip / S.
             grads = [t.grad for g in optimizer.param_groups for t in g["params"] if t.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, inv_divisor)
         step_fn()
-        self.push_weights(which)
-        for i in which:     # the fp32 gradients (and transient weights) go before the next chunk comes
+        for i in which:     # the fp32 gradients go (and, transient, their slots become scratch)
             self.masters[i].grad = None
+        scratch = None
+        if buffer is not None:
+            n = sum(self._numel[i] for i in which)
+            scratch = buffer[n:2 * n].view(torch.int32)
+        self._round_into_model(which, tables, scratch)
 
     def _plan(self, optimizer) -> list[list[list[torch.Tensor]]] | None:
         """The optimizer's tensors cut into chunks of at most ``chunk_bytes`` of fp32 transients, each
         chunk one list per param group; None when one chunk holds them all."""
         per_element = 4 if self.keep else 8      # an fp32 gradient, plus an fp32 weight when transient
-        sizes = {id(m): per_element * m_p.numel() for m, m_p in zip(self.masters, self.model_params)}
+        sizes = {id(m): per_element * n for m, n in zip(self.masters, self._numel)}
         if sum(sizes.values()) <= self.chunk_bytes:
             return None
         chunks, size = [], 0
@@ -246,23 +338,62 @@ class MasterWeights:
         return chunks
 
     @torch.no_grad()
-    def push_weights(self, which: list[int] | None = None) -> None:
+    def push_weights(self, which: list[int] | None = None, *, found_inf: torch.Tensor | None = None) -> None:
         """Round the fp32 copies into the model's weights (nearest, or stochastic for bf16-sr).
 
-        Rounding an unchanged copy gives back the model's weight bit for bit, so this is safe to run
-        after a step the optimizer skipped on the device. ``which`` picks copies by position.
+        Rounding an unchanged copy gives back the model's weight bit for bit, whatever the noise, so
+        this is safe to run after a step the optimizer skipped on the device. ``which`` picks copies
+        by position (default: all); one call rounds one step. ``found_inf``: the flag the optimizer's
+        kernel skipped on, if it did so on the device; then a skipped step does not count as taken
+        for the rounding noise (without it every call counts).
         """
-        which = list(range(len(self.masters))) if which is None else which
+        which = self._order if which is None else list(which)
+        if which:
+            tables = self.generator.tables() if self.generator is not None else None
+            # Fresh scratch: the copies' gradients stay intact for whoever still holds them.
+            scratch = torch.empty(sum(self._numel[i] for i in which), dtype=torch.int32,
+                                  device=self.device) if self.generator is not None else None
+            self._round_into_model(which, tables, scratch)
+        if self.generator is not None:
+            self.generator.advance(found_inf)
+
+    @torch.no_grad()
+    def _round_into_model(self, which: list[int], tables, scratch: torch.Tensor | None) -> None:
+        """Round copies ``which`` into the model: one pass per chunk. Transient ones are released."""
         if not which:
             return
+        targets = [self.model_params[i].data for i in which]
         if self.generator is None:
-            torch._foreach_copy_([self.model_params[i].data for i in which],
-                                 [self.masters[i].data for i in which])
+            torch._foreach_copy_(targets, [self.masters[i] for i in which])   # round to nearest even
         else:
-            for i in which:
-                self.model_params[i].data.copy_(stochastic_round_bf16(self.masters[i].data, self.generator))
+            flat = self._pulled_weights(which)
+            for offset, start, length in self._runs(which):
+                self.generator.fill_(scratch[offset:offset + length], start, tables)
+            rounded = stochastic_round_bf16_(flat, scratch)       # bf16, strided: the high halves
+            torch._foreach_copy_(targets, _views(rounded, targets))
         if not self.keep:
             self._release(which)
+
+    def _pulled_weights(self, which: list[int]) -> torch.Tensor:
+        """The flat fp32 buffer whose views ``which``'s transient copies are (``_pull`` laid it out)."""
+        if self._pulled is None or self._pulled[0] != which:
+            raise RuntimeError("push_weights: these fp32 copies were not filled by pull_grads for this "
+                               "step; call pull_grads(which) first, with the same positions")
+        return self._pulled[1]
+
+    def _runs(self, which: list[int]) -> list[list[int]]:
+        """``[offset in the chunk, start in the step's layout, length]`` per stretch of ``which`` that
+        lies end to end in the optimizer's order: one, unless its groups were reordered since."""
+        runs: list[list[int]] = []
+        offset = 0
+        for i in which:
+            start, n = self._start[i], self._numel[i]
+            if runs and runs[-1][1] + runs[-1][2] == start:
+                runs[-1][2] += n
+            else:
+                runs.append([offset, start, n])
+            offset += n
+        return runs
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._planned = False
@@ -272,19 +403,20 @@ class MasterWeights:
             elif m.grad is not None:
                 m.grad.zero_()
 
-    def _release(self, which: list[int] | None = None) -> None:
-        # A transient copy gives its memory back between steps; the optimizer keys state by the
-        # Parameter object, which stays.
-        for i in range(len(self.masters)) if which is None else which:
+    def _release(self, which) -> None:
+        # A transient copy gives its memory back between steps: pointed at one shared empty tensor.
+        for i in which:
             m = self.masters[i]
-            m.data = torch.empty(0, dtype=torch.float32, device=m.device)
+            m.data = self._empty
             m.grad = None
+        self._pulled = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"masters": [m.detach().clone() for m in self.masters] if self.keep else None,
                 "generator": self.generator.get_state() if self.generator is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output; everything is checked before anything is written."""
         masters = state.get("masters")
         if self.keep:
             if masters is None or len(masters) != len(self.masters):
@@ -295,7 +427,11 @@ class MasterWeights:
                 if m.shape != saved.shape:
                     raise ValueError(f"master weight shape {tuple(saved.shape)} in the state does not "
                                      f"match the model's {tuple(m.shape)}")
+        noise = state.get("generator")
+        if self.generator is not None and noise is not None:
+            self.generator.check_state(noise)
+        if self.keep:
+            for m, saved in zip(self.masters, masters):
                 m.data.copy_(saved)
-        if self.generator is not None and state.get("generator") is not None:
-            self.generator.set_state(state["generator"])
-
+        if self.generator is not None and noise is not None:
+            self.generator.set_state(noise)
