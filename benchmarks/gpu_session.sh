@@ -7,6 +7,8 @@
 #                                     # bench_step (compiled step), bench_e2e bf16 eager/compiled
 #   benchmarks/gpu_session.sh e2e-fp8      # issue 11: bench_e2e fp8 vs torch.amp bf16 vs torchao
 #   benchmarks/gpu_session.sh e2e-recipes  # issue 11: bench_e2e for every other recipe
+#   benchmarks/gpu_session.sh parity  # issue 22 (~10 min): the default loop against torch.amp's, every
+#                                     # recipe, eager, compiled and compile_step, with aten-op counts
 #   benchmarks/gpu_session.sh doctor  # issue 12 (~3 min): the doctor's Triton counting kernels against the
 #                                     # CPU, sync-freedom, and its cost (on/eager/plain) on cuda
 # Output goes to $OUT (the device tool's folder) or ./gpu-out; paste it into benchmarks/RESULTS.md with
@@ -71,6 +73,11 @@ case "${1:-}" in
   e2e-recipes)
     run e2e-recipes "$PY" benchmarks/bench_e2e.py --device cuda --modes eager,compiled --steps 10 \
         --variants amp-bf16,fp16,fp16-pure,bf16-pure,bf16-sr,tf32 ;;
+  parity)   # issue 22: goals eager and compiled <= 1.00x, bf16-pure/bf16-sr <= 1.03x, compile_step <= 0.95x
+    run parity-eager "$PY" benchmarks/bench_parity.py --device cuda --modes eager --pairs 15 \
+        --markdown "$OUT/parity-eager.md"
+    run parity-compiled "$PY" benchmarks/bench_parity.py --device cuda --modes compiled,compile_step \
+        --optimizers fused --pairs 15 --markdown "$OUT/parity-compiled.md" ;;
   *)
-    echo "usage: $0 tests|kernels|lab|doctor|e2e|e2e-fp8|e2e-recipes" >&2; exit 2 ;;
+    echo "usage: $0 tests|kernels|lab|doctor|e2e|e2e-fp8|e2e-recipes|parity" >&2; exit 2 ;;
 esac
