@@ -180,8 +180,9 @@ class MixedPrecision:
             self.recipe, not isinstance(self.loss_scale, NoLossScale), self.master is not None,
             self.moments is not None))
         # What zero_grad() clears beyond the optimizer's own zero_grad (fp32 copies replaced their weights).
+        self._params = list(model.parameters())      # the Parameters stay; fp8 layers share them
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self._outside_optimizer = [p for p in model.parameters() if id(p) not in held]
+        self._outside_optimizer = [p for p in self._params if id(p) not in held]
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
         self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
         self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep
@@ -273,14 +274,15 @@ class MixedPrecision:
         scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
         for observer in self._step_observers.values():
             observer.before_step(self)      # gradients as backward left them: still scaled by S
-        compiled = self._compiled_step is not None and fused_step_ok(self)
+        fused = fused_step_ok(self)
+        compiled = self._compiled_step is not None and fused
         if compiled:
             found_inf, grad_norm = self._compiled_step(grads)
             stepped = None      # decided on the device: no host sync
-        elif fused_step_ok(self) and self.device.type == "cpu":
+        elif fused and self.device.type == "cpu":
             found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
             stepped = host_fused_optimizer_step(self, divisor, found_inf)   # a CPU read: no wait
-        elif fused_step_ok(self):
+        elif fused:
             found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
             fused_optimizer_step(self, divisor, found_inf.to(torch.float32))
             stepped = None      # decided on the device: no host sync
@@ -321,8 +323,10 @@ class MixedPrecision:
         return self
 
     def _model_grads(self) -> list[torch.Tensor]:
-        """The gradients backward left on the model's own parameters (not the fp32 copies)."""
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+        """The gradients backward left on the model's own parameters (not the fp32 copies). The
+        parameters are listed once, at construction: walking the modules each step cost more than the
+        tiny model's optimizer step."""
+        return [p.grad for p in self._params if p.grad is not None]
 
     @property
     def last_overflow(self) -> NonfiniteOrigin | None:
