@@ -108,3 +108,52 @@ def test_state_round_trip_continues_identically():
 def test_loading_another_kind_of_state_is_a_clear_error():
     with pytest.raises(ValueError, match="different kind of loss scale"):
         DynamicLossScale().load_state_dict(StaticLossScale(2.0).state_dict())
+
+
+# ------------------------------------------------------------------ issue 24: values checked where they enter
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(init="1024"), TypeError, ["LossScaleConfig.init must be a number", "'1024'"]),
+    (dict(floor=None), TypeError, ["LossScaleConfig.floor must be a number"]),
+    (dict(init=True), TypeError, ["LossScaleConfig.init must be a number"]),
+    (dict(growth_interval=2.5), TypeError, ["LossScaleConfig.growth_interval must be an int", "2.5"]),
+    (dict(growth_interval=2.0), TypeError, ["must be an int", "write growth_interval=2"]),
+    (dict(hysteresis=True), TypeError, ["LossScaleConfig.hysteresis must be an int", "True"]),
+    (dict(hysteresis="2"), TypeError, ["LossScaleConfig.hysteresis must be an int"]),
+    (dict(hysteresis=3_000_000_000), ValueError, ["hysteresis", "2**31-1 = 2147483647", "int32"]),
+    (dict(growth_interval=2**31), ValueError, ["growth_interval", "2147483647"]),
+    (dict(init=1e-50, floor=1e-50), ValueError, ["init=1e-50 is below 2**-24"]),
+    (dict(kind="static", init=1e-30), ValueError, ["init=1e-30 is below 2**-24", "flushes to zero"]),
+    (dict(ceiling=1e39), ValueError, ["ceiling=1e+39 is inf in fp32"]),
+    (dict(ceiling=10**400), ValueError, ["is inf in fp32"]),
+    (dict(backoff=1e-50), ValueError, ["backoff must be in (0, 1)"]),
+])
+def test_config_refuses_wrong_types_and_values_naming_the_field(kwargs, error, words):
+    with pytest.raises(error) as e:
+        LossScaleConfig(**kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_the_smallest_scale_keeps_a_unit_gradient_in_fp16():
+    # The bound, by hand: S = 2**-24 turns a gradient of 1 into fp16's smallest subnormal (2**-24); S =
+    # 2**-25 turns it into exactly half of that, which rounds (ties to even) to 0.
+    assert float(torch.tensor(1.0 * 2.0**-24).half()) == 2.0**-24
+    assert float(torch.tensor(1.0 * 2.0**-25).half()) == 0.0
+    s = StaticLossScale(2.0**-24)
+    assert float(s.value) == 2.0**-24 and s.value.dtype == torch.float32
+    with pytest.raises(ValueError, match="below 2"):
+        StaticLossScale(2.0**-25)
+    with pytest.raises(ValueError, match=r"in fp32, the scale's device dtype: 0\)"):
+        StaticLossScale(1e-50)        # fp32 holds 1e-50 as 0: every weight would become NaN
+    with pytest.raises(TypeError, match="must be a number"):
+        StaticLossScale("1024")
+
+
+def test_counts_at_the_int32_limit_build_their_state():
+    ls = DynamicLossScale(LossScaleConfig(growth_interval=2**31 - 1, hysteresis=2**31 - 1))
+    assert int(ls.hysteresis_left) == 2**31 - 1
+    assert walk(ls, [True, False]) == [2**16, 2**16]
+
+
+def test_dynamic_scale_takes_a_config():
+    with pytest.raises(TypeError, match="takes a LossScaleConfig"):
+        DynamicLossScale("dynamic")

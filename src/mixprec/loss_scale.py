@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from .fusion import FusedFunction
-from .recipe import LossScaleConfig
+from .recipe import LossScaleConfig, LossScaleKind
 
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale",
            "ScaleInBackward"]
@@ -92,6 +92,9 @@ class StaticLossScale(_CountingScale):
     """A fixed S (the classic fixed loss-scale factor). An overflowing step is skipped; S never changes."""
 
     def __init__(self, value: float, device: torch.device | str = "cpu") -> None:
+        # The config's checks (a number, finite and >= 2**-24 as fp32 holds it) guard a direct
+        # StaticLossScale(1e-50) as they guard scale=static:1e-50.
+        LossScaleConfig(kind=LossScaleKind.STATIC, init=value)
         super().__init__(value, device)
 
 
@@ -107,6 +110,9 @@ class DynamicLossScale(_CountingScale):
     """
 
     def __init__(self, config: LossScaleConfig | None = None, device: torch.device | str = "cpu") -> None:
+        if config is not None and not isinstance(config, LossScaleConfig):
+            raise TypeError(f"DynamicLossScale takes a LossScaleConfig (e.g. LossScaleConfig(hysteresis=2)) "
+                            f"or None, got {type(config).__name__}")
         self.config = config or LossScaleConfig()
         super().__init__(self.config.init, device)
         self.clean_steps = torch.zeros((), dtype=torch.int32, device=device)

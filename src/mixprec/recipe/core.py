@@ -278,7 +278,8 @@ def get_recipe(spec: str | Recipe) -> Recipe:
     if isinstance(spec, Recipe):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"recipe must be a name, a recipe string or a Recipe, got {type(spec).__name__}")
+        raise TypeError(f"recipe must be a name (e.g. 'fp16'), a recipe string or a Recipe, got "
+                        f"{type(spec).__name__}")
     return parse_recipe(spec)
 
 
@@ -295,6 +296,9 @@ def parse_recipe(text: str) -> Recipe:
     A named recipe may lead, and the keys after it change it: ``bf16,fp32_ops=softmax`` is bf16 with
     softmax in fp32.
     """
+    if not isinstance(text, str):
+        raise TypeError(f"parse_recipe takes a recipe name or string (e.g. 'fp16' or 'params=fp32,compute=fp16'), "
+                        f"got {type(text).__name__}; pass a Recipe to get_recipe, which returns it as is")
     text = text.strip()
     if text in RECIPES:
         return RECIPES[text]
