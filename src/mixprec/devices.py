@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .recipe import Precision, Recipe
+from .recipe import Precision, Recipe, get_recipe
 
 __all__ = ["Support", "supports", "probe_scaled_mm", "Fp8Speed", "probe_fp8_speed", "resolve_device",
            "device_name"]
@@ -33,9 +33,26 @@ class Support(NamedTuple):
     reason: str = ""
 
 
-def supports(recipe: Recipe, device: torch.device | str) -> Support:
-    """Whether ``device`` can run ``recipe``, and if not, why (with what to use instead)."""
-    device = torch.device(device)
+def supports(recipe: Recipe | str, device: torch.device | str) -> Support:
+    """Whether ``device`` can run ``recipe``, and if not, why (with what to use instead).
+
+    ``recipe`` is a Recipe, a recipe name or a recipe string (``"fp16"``, ``"params=bf16,..."``);
+    ``device`` a torch.device or a device string (``"cpu"``, ``"cuda:0"``). TypeError/ValueError for
+    anything else: a question that cannot be asked is not answered with a reason.
+    """
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)      # an unknown name is a ValueError that lists the valid ones
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"supports() takes a Recipe or a recipe name such as 'fp16' or 'bf16-pure', got "
+                        f"{type(recipe).__name__} {recipe!r}")
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"supports() takes a torch.device or a device string such as 'cpu' or 'cuda:0', got "
+                        f"{type(device).__name__} {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{device!r} is not a device: give a device string such as 'cpu', 'cuda' or "
+                         f"'cuda:0' ({e})") from None
     compute = recipe.compute
     if compute is Precision.TF32:
         if device.type != "cuda":

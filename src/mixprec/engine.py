@@ -39,7 +39,7 @@ from .grad_norm import GradNorm
 from .grad_sync import GradSync, GroupChoice, SyncKind
 from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
-from .fp8.swap import Fp8SwapReport, check_fp8_patterns, resolve_backend, swap_to_fp8
+from .fp8.swap import Fp8SwapReport, check_fp8_patterns, none_swapped_reason, resolve_backend, swap_to_fp8
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
 from .master import MasterWeights
 from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
@@ -47,7 +47,9 @@ from .oplists import op_list_mode
 from .optimizer_step import (fused_optimizer_step, fused_step_ok, generic_optimizer_step,
                              host_fused_optimizer_step, master_whole, optimizer_grads, unscale_and_clip)
 from .recipe import Precision, Recipe, get_recipe
-from .usage_checks import UsageChecks, bare_step_reason
+from .engine_args import check_arguments
+from .usage_checks import (UsageChecks, bare_step_reason, check_param_dtypes, foreign_params_message,
+                           frozen_model_message, no_grads_message, remember_engine)
 from .recipe.moments import Moments
 from .saved16 import Saved, SavedPacker, warn_if_compiled_saves
 from .step_result import StepObserver, StepResult
@@ -90,14 +92,7 @@ class MixedPrecision:
                  trace_nonfinite: bool = False,
                  process_group: Any = GroupChoice.AUTO) -> None:
         self.recipe = get_recipe(recipe)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(trace_nonfinite, bool):    # "no" would be truthy
-            raise TypeError(f"trace_nonfinite must be True or False, got {trace_nonfinite!r}")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm}")
+        check_arguments(model, optimizer, clip_grad_norm, fp8_filter, trace_nonfinite, process_group)
         params = list(model.parameters())
         if not params:
             raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
@@ -105,14 +100,13 @@ class MixedPrecision:
         owned = {id(p) for p in params}
         foreign = [p for p in opt_params if id(p) not in owned]
         if foreign or not opt_params:
-            raise ValueError(
-                f"the optimizer holds {len(foreign)} of {len(opt_params)} parameters that are not "
-                f"{type(model).__name__}'s: build it from this model, e.g. "
-                f"{type(optimizer).__name__}(model.parameters(), ...), before MixedPrecision")
+            raise ValueError(foreign_params_message(model, optimizer, foreign, len(opt_params)))
         non_float = [n for n, p in model.named_parameters() if not p.is_floating_point()]
         if non_float:
             raise TypeError(f"parameters {non_float[:3]} are not floating point; mixed precision trains "
                             "floating-point weights only")
+        # The recipe decides the weights' dtype: a 16-bit model under 'fp16' would train with no master.
+        check_param_dtypes(model, self.recipe, low_precision_params(model, self.recipe))
         self.device = params[0].device
         support = supports(self.recipe, self.device)
         if not support.ok:
@@ -150,6 +144,9 @@ class MixedPrecision:
             keeps = (lambda m: keeps_fp32(m, self.recipe)) if self.recipe.param.is_low else None
             self.fp8_report = swap_to_fp8(model, self.recipe.fp8, backend=backend, note=note,
                                           filter=fp8_filter, keeps_fp32=keeps)
+            none_swapped = none_swapped_reason(self.fp8_report, self.recipe.label)
+            if none_swapped is not None:
+                warnings.warn(none_swapped, UserWarning, stacklevel=2)
         elif fp8_filter is not None:
             raise ValueError(f"fp8_filter was given but recipe {self.recipe.label!r} has no fp8; use an fp8 "
                              "recipe (e.g. 'fp8') or drop fp8_filter")
@@ -183,6 +180,9 @@ class MixedPrecision:
         self._params = list(model.parameters())      # the Parameters stay; fp8 layers share them
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._outside_optimizer = [p for p in self._params if id(p) not in held]
+        # optimizer.add_param_group() after this point is refused at step() (one int compare per step).
+        self._checks.watch_optimizer(optimizer, held | {id(p) for p in self._params if p.dtype == torch.float32})
+        remember_engine(model, self)
         # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
         self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
         self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep
@@ -227,8 +227,8 @@ class MixedPrecision:
             raise ValueError(f"the loss must be a single number, got shape {tuple(loss.shape)}: reduce it "
                              "first, e.g. loss.mean()")
         if not loss.requires_grad:
-            raise ValueError("the loss does not require grad: was it computed under torch.no_grad() or "
-                             "from detached tensors?")
+            raise ValueError(frozen_model_message(self.model) or "the loss does not require grad: was it "
+                             "computed under torch.no_grad() or from detached tensors?")
         self._checks.on_backward()     # warns once if the forward ran outside mp.autocast()
         if self._saved_compile_check:
             self._saved_compile_check = False
@@ -259,7 +259,7 @@ class MixedPrecision:
         """
         model_grads = self._model_grads()
         if not model_grads:
-            raise RuntimeError("step() found no gradients: call mp.backward(loss) before mp.step()")
+            raise RuntimeError(no_grads_message(self.model, self._checks))
         self._checks.check_before_step(model_grads)   # stale or unscaled gradients: refused here
         # fp32 copies whole when observers read them or the step is compiled; else chunk by chunk.
         whole = master_whole(self)
@@ -355,6 +355,11 @@ class MixedPrecision:
         the model. For diagnostics (``mixprec.diagnostics.RangeCollector``); ``handle.remove()`` detaches
         it. With no observer, step() does nothing extra.
         """
+        missing = [m for m in ("before_step", "after_step") if not callable(getattr(observer, m, None))]
+        if missing:
+            raise TypeError(f"a step observer needs methods before_step(engine) and after_step(engine, "
+                            f"found_inf); {type(observer).__name__} has no {' or '.join(missing)} (see "
+                            "mixprec.StepObserver; mixprec.diagnostics.RangeCollector is one)")
         handle = RemovableHandle(self._step_observers)
         self._step_observers[handle.id] = observer
         return handle
@@ -429,3 +434,4 @@ class MixedPrecision:
             load_fp8_state_dict(self.model, state["fp8"])
         if self.moments is not None:
             self.moments.load_state_dict(state["moments"])
+

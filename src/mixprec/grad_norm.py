@@ -69,7 +69,15 @@ def global_norm_f32(grads: list[torch.Tensor], sync: GradSync | None = None) -> 
     shard) and one all_reduce combines them (mixprec.distributed), so every rank gets the same norm.
     """
     if sync is None or sync.kind is SyncKind.LOCAL:
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        try:
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        except (NotImplementedError, RuntimeError):
+            if not any(g.is_sparse for g in grads):
+                raise
+            # Sparse gradients (nn.Embedding(sparse=True)): no multi-tensor norm takes them. Only this
+            # failed first call pays the check; dense steps never look.
+            return global_norm_f32(_dense_values(grads), sync)
+    grads = _dense_values(grads) if any(g.is_sparse for g in grads) else grads
     if sync.fsdp:
         grads = [local_shard(g) for g in grads]       # DTensor -> this rank's shard
     if grads[0].device.type != "cpu":
@@ -77,6 +85,13 @@ def global_norm_f32(grads: list[torch.Tensor], sync: GradSync | None = None) -> 
     else:
         sq = torch.stack([torch.dot(g.reshape(-1).float(), g.reshape(-1).float()) for g in grads]).sum()
     return sync.reduce_sum_squares(sq).sqrt()
+
+
+def _dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sparse gradient replaced by its coalesced values (a 1-D dense tensor): the norm of a sparse
+    tensor is that of its values once duplicate indices are summed (coalesce adds them, as the dense
+    gradient would). Dense gradients are passed through."""
+    return [g.coalesce()._values() if g.is_sparse else g for g in grads]
 
 
 class GradNorm:
@@ -114,6 +129,8 @@ class GradNorm:
         return sq.sqrt()
 
     def _block_squares(self, g: torch.Tensor) -> list[torch.Tensor]:
+        if g.is_sparse:       # nn.Embedding(sparse=True): the coalesced values carry the whole norm
+            g = g.coalesce()._values()
         flat = g.reshape(-1)      # a view of a contiguous gradient; a strided one is copied (aligned)
         n = flat.numel()
         if (self.compiled and flat.dtype != torch.float32 and n >= _COMPILED_MIN

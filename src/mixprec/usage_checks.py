@@ -35,7 +35,9 @@ from torch.utils.hooks import RemovableHandle
 
 import torch
 
-__all__ = ["UsageChecks", "SKIP_WARNING_AFTER", "bare_step_reason"]
+__all__ = ["UsageChecks", "SKIP_WARNING_AFTER", "bare_step_reason", "check_param_dtypes", "foreign_params_message",
+           "no_grads_message",
+           "remember_engine", "frozen_model_message"]
 
 # Consecutive skipped steps before the warning. A dynamic fp16 scale skips a few steps while it
 # settles (each halves S); ten in a row means S fell 1024-fold or there is no scale to adjust.
@@ -45,6 +47,87 @@ SKIP_WARNING_AFTER = 10
 # The step guard each optimizer carries: a later engine on the same optimizer replaces the earlier
 # one's (else the old engine's flag, never set again, would refuse the new engine's steps).
 _GUARDS: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+# The engine last built on each model (weakly: neither is kept alive), so that a second engine on the same
+# model and optimizer is told what the optimizer holds (the first engine's fp32 copies), not that it holds
+# parameters of another model.
+_ENGINES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_param_dtypes(model: Any, recipe: Any, low: list[Any]) -> None:
+    """ValueError for a parameter whose dtype the recipe would not train right; changes nothing.
+
+    The recipe decides the weights' dtype. Every recipe without 16-bit weights (fp32, tf32, fp16 and bf16
+    autocast, fp8) trains fp32 weights: a 16-bit weight would be stepped with no fp32 master copy (small
+    updates round away), a float64 one is left alone by autocast (the recipe would change nothing). A
+    pure recipe casts ``low`` (the weights it puts in 16 bits) from fp32 itself; such a weight already in
+    the recipe's own 16-bit dtype is taken as it is (its fp32 master copy is its exact upcast: nothing
+    is lost from there on, as after a 16-bit checkpoint). The weights a pure recipe keeps fp32 (norms,
+    ``modules=...:fp32``) must be fp32: they are stepped without a master copy.
+    """
+    low_ids = {id(p) for p in low}
+    fp32 = torch.float32
+    for name, p in model.named_parameters():
+        if not p.is_floating_point() or p.dtype == fp32:
+            continue
+        is_low = id(p) in low_ids
+        if is_low and p.dtype == recipe.param.dtype:
+            continue
+        have = _dtype_name(p.dtype)
+        if is_low:
+            why = (f"recipe {recipe.label!r} casts the weights to {recipe.param.value} itself, from fp32 (or "
+                   f"takes them already in {recipe.param.value}), and keeps an fp32 copy of each")
+        elif recipe.param.is_low:
+            why = (f"recipe {recipe.label!r} keeps this weight in fp32 (its module is in fp32_modules or an "
+                   "fp32 modules= rule) and steps it with no master copy, so it must be fp32")
+        elif p.dtype == torch.float64:
+            why = (f"recipe {recipe.label!r} trains fp32 weights, and autocast leaves float64 ops in float64: "
+                   "the recipe would change nothing")
+        else:
+            why = (f"recipe {recipe.label!r} trains fp32 weights (autocast computes in "
+                   f"{recipe.compute.value} per op): a {have} weight would be stepped with no fp32 master "
+                   f"copy, and updates smaller than half its last bit would round away")
+        others = sum(1 for _, q in model.named_parameters() if q.is_floating_point() and q.dtype == p.dtype)
+        fix = "build MixedPrecision on the fp32 model (call model.float() before it)"
+        if not recipe.param.is_low and p.dtype != torch.float64:
+            fix += (f"; for {have} weights with fp32 master copies pick "
+                    f"'{'bf16' if p.dtype == torch.bfloat16 else 'fp16'}-pure' instead")
+        raise ValueError(f"parameter {name!r} is {have} ({others} parameter{'s' if others > 1 else ''} of "
+                         f"{type(model).__name__} {'are' if others > 1 else 'is'} {have}), but {why}: {fix}")
+
+
+def remember_engine(model: Any, engine: Any) -> None:
+    """Note ``engine`` as the one built on ``model`` (for ``foreign_params_message``)."""
+    _ENGINES[model] = engine
+
+
+def foreign_params_message(model: Any, optimizer: Any, foreign: list[Any], total: int) -> str:
+    """Why the optimizer holds tensors that are not ``model``'s, and what to do."""
+    prior = _ENGINES.get(model)
+    masters = {id(m) for m in prior.master.masters} if prior is not None and prior.master is not None else set()
+    if masters and all(id(p) in masters for p in foreign):
+        return (f"this optimizer already belongs to a MixedPrecision engine built on this "
+                f"{type(model).__name__} under recipe {prior.recipe.label!r}: it holds that engine's fp32 "
+                f"master copies ({len(foreign)} of its {total} tensors) and the model's weights are already "
+                "16-bit. Keep using the first engine (one engine per model and optimizer), or build a new "
+                "fp32 model and optimizer for a new engine")
+    return (f"the optimizer holds {len(foreign)} of {total} parameters that are not "
+            f"{type(model).__name__}'s: build it from this model, e.g. "
+            f"{type(optimizer).__name__}(model.parameters(), ...), before MixedPrecision")
+
+
+def frozen_model_message(model: Any) -> str | None:
+    """The error for a model with no parameter that requires grad (nothing can train), else None."""
+    if any(p.requires_grad for p in model.parameters()):
+        return None
+    return (f"every parameter of {type(model).__name__} has requires_grad=False (frozen), so the loss has "
+            "no gradient and nothing can train: unfreeze the parameters to train "
+            "(p.requires_grad_(True)) before the forward")
 
 
 def bare_step_reason(recipe: Any, scaled: bool, master: bool, moments: bool) -> tuple[str | None, bool]:
@@ -103,6 +186,30 @@ class UsageChecks:
         self.bare_step_reason: str | None = None
         self.bare_step_always = False   # else refused only on gradients mp.backward() scaled
         self.dtype_probe: tuple[str, Any, torch.dtype] | None = None   # (name, parameter, dtype as built)
+        self.optimizer: Any = None      # watch_optimizer: its param groups, counted as the engine left them
+        self.n_groups = 0
+        self.known: set[int] = set()    # tensors the optimizer may step: what it held, the fp32 weights
+
+    def watch_optimizer(self, optimizer: Any, known: set[int]) -> None:
+        """Note how many param groups ``optimizer`` has; ``known`` are the ids of the tensors it may step
+        (what it holds now, the model's fp32 weights). ``add_param_group`` later is checked at step()."""
+        self.optimizer, self.n_groups, self.known = optimizer, len(optimizer.param_groups), known
+
+    def _check_param_groups(self) -> None:
+        # Called when the group count changed (one int compare per step otherwise): a tensor the engine
+        # did not see would be stepped without its fp32 copy, or is not the model's at all.
+        unknown = [(i, t) for i, g in enumerate(self.optimizer.param_groups) for t in g["params"]
+                   if id(t) not in self.known]
+        if unknown:
+            i, t = unknown[0]
+            raise RuntimeError(
+                f"the optimizer holds {len(unknown)} tensor{'s' if len(unknown) > 1 else ''} that MixedPrecision "
+                f"did not see when it was built (param group {i}: a {_dtype_name(t.dtype)} tensor of shape "
+                f"{tuple(t.shape)}): was optimizer.add_param_group() called after it? The engine sets up "
+                "the optimizer's tensors once (fp32 master copies of 16-bit weights, the loss scale's "
+                "unscaling), so a tensor added later would be stepped without them. Add every param group "
+                "before building MixedPrecision (or build a new model, optimizer and engine)")
+        self.n_groups = len(self.optimizer.param_groups)
 
     def remember_dtype(self, model: Any) -> None:
         """Note one parameter's dtype as the recipe left it: a cast of the whole model changes it."""
@@ -156,6 +263,8 @@ class UsageChecks:
     def check_before_step(self, model_grads: list[torch.Tensor]) -> None:
         """Refuse a step whose gradients did not come from a new mp.backward(), or a model cast after the
         engine was built (one dtype compared: host metadata). Changes nothing."""
+        if self.optimizer is not None and len(self.optimizer.param_groups) != self.n_groups:
+            self._check_param_groups()
         probe = self.dtype_probe
         if probe is not None and probe[1].dtype != probe[2]:
             name, param, built = probe
@@ -235,3 +344,16 @@ class UsageChecks:
             "Build MixedPrecision(..., trace_nonfinite=True) and read mp.last_overflow to see") +
             " the module and op where the first inf/NaN appeared",
             RuntimeWarning, stacklevel=4)
+
+
+def no_grads_message(model: Any, checks: UsageChecks) -> str:
+    """Why step() found no gradients, as precisely as the engine knows."""
+    frozen = frozen_model_message(model)
+    if frozen is not None:
+        return f"step() found no gradients: {frozen}"
+    if checks.via_engine:
+        return (f"step() found no gradients on {type(model).__name__}'s parameters although "
+                "mp.backward(loss) was called: was the loss computed from another model's output (this "
+                "engine steps the model it was built on), or from its parameters only through detached "
+                "tensors? Build one engine per model")
+    return "step() found no gradients: call mp.backward(loss) before mp.step()"

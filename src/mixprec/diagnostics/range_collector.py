@@ -138,6 +138,11 @@ class RangeCollector:
 
     def __init__(self, engine: Any, modules: Sequence[str] | None = None, every: int = 1,
                  fused: bool | None = None) -> None:
+        if not all(hasattr(engine, a) for a in ("add_step_observer", "model", "optimizer", "device")):
+            given = f"the model itself ({type(engine).__name__})" if isinstance(engine, nn.Module) else \
+                f"a {type(engine).__name__}"
+            raise TypeError(f"RangeCollector watches a MixedPrecision engine, got {given}: build "
+                            "mp = MixedPrecision(model, optimizer, recipe) and pass RangeCollector(mp)")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int (count every k-th step; 1 counts all), "
                              f"got {every!r}")

@@ -37,7 +37,7 @@ from .linear import Fp8Linear
 from .matmul import probe_scaled_mm
 
 __all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8",
-           "resolve_backend", "check_fp8_patterns"]
+           "resolve_backend", "check_fp8_patterns", "none_swapped_reason"]
 
 _ALIGN = 16
 
@@ -181,6 +181,9 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
     recipe keeps it fp32. ValueError for a forced layer that does not exist or cannot be fp8 (its
     shape is named). Parameters are shared, not copied.
     """
+    if filter is not None and not callable(filter):
+        raise TypeError(f"fp8_filter must be a function filter(name, module) -> bool that returns False "
+                        f"for layers to keep out of fp8, or None; got {filter!r}")
     linears = check_fp8_patterns(model, config)
     decisions, replace = [], {}
     for i, (name, module) in enumerate(linears):
@@ -206,6 +209,26 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
             if id(child) in replace:
                 setattr(parent, child_name, replace[id(child)])
     return Fp8SwapReport(tuple(decisions), backend, note, uncovered, parameters)
+
+
+def none_swapped_reason(report: Fp8SwapReport, label: str) -> str | None:
+    """Why an fp8 recipe swapped no layer (the text of the engine's warning), or None if one was swapped.
+
+    With no layer swapped the recipe trains exactly as its base recipe: nothing runs in fp8.
+    """
+    if report.swapped:
+        return None
+    if not report.layers:
+        why = "the model has no nn.Linear (nor Hugging Face Conv1D) layer"
+    else:
+        shown = "; ".join(f"{d.name or '<the model>'} ({d.out_features}, {d.in_features}): {d.reason.value}"
+                          + (f": {d.detail}" if d.detail else "") for d in report.layers[:6])
+        more = f"; and {len(report.layers) - 6} more" if len(report.layers) > 6 else ""
+        why = f"none of its {len(report.layers)} linear layers is eligible: {shown}{more}"
+    return (f"recipe {label!r} swapped no layer to fp8 ({why}), so nothing runs in fp8 and it trains as its "
+            "base recipe. Make the layers eligible (weight dimensions multiples of 16, plain nn.Linear, not "
+            "excluded by skip=/skip_first/skip_last/fp8_filter) or pick a recipe without fp8 (e.g. 'bf16'); "
+            "mp.fp8_report lists every decision")
 
 
 def _uncovered(model: nn.Module, linear_weights: set[int]) -> tuple[Fp8UncoveredWeight, ...]:

@@ -1,0 +1,50 @@
+"""The arguments ``MixedPrecision(...)`` takes, checked before anything is touched: a wrong type or value
+is a TypeError/ValueError that names the argument, what it takes and an example, not a traceback from
+deep inside the first step."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+from torch import nn
+
+from .grad_sync import GroupChoice
+
+__all__ = ["check_arguments"]
+
+
+def check_arguments(model: Any, optimizer: Any, clip_grad_norm: Any, fp8_filter: Any, trace_nonfinite: Any,
+                    process_group: Any) -> None:
+    """Raise TypeError/ValueError for an argument of the engine that cannot be right."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(trace_nonfinite, bool):    # "no" would be truthy
+        raise TypeError(f"trace_nonfinite must be True or False, got {trace_nonfinite!r}")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool)
+                                       or not isinstance(clip_grad_norm, numbers.Real)):
+        raise TypeError(f"clip_grad_norm must be a positive number (the largest global L2 norm of the "
+                        f"unscaled gradients, e.g. 1.0) or None, got {type(clip_grad_norm).__name__} "
+                        f"{clip_grad_norm!r}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm}")
+    if fp8_filter is not None and not callable(fp8_filter):
+        raise TypeError(f"fp8_filter must be a function fp8_filter(name, module) -> bool (False keeps a "
+                        f"layer out of fp8) or None, got {fp8_filter!r}")
+    _check_process_group(process_group)
+
+
+def _check_process_group(process_group: Any) -> None:
+    """TypeError for a ``process_group`` that is neither "auto", None nor a torch.distributed group (it
+    would be accepted here and fail inside torch at the first step's all_reduce)."""
+    if process_group is None or (isinstance(process_group, str) and process_group == GroupChoice.AUTO):
+        return
+    dist = torch.distributed
+    if dist.is_available() and isinstance(process_group, dist.ProcessGroup):
+        return
+    raise TypeError(f"process_group must be 'auto' (detect FSDP2 and DDP), None (keep the overflow flag "
+                    "and norm local) or a torch.distributed ProcessGroup (e.g. dist.new_group(...)), got "
+                    f"{type(process_group).__name__} {process_group!r}")
