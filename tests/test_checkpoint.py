@@ -104,3 +104,97 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         save_checkpoint(path, mp, extra={"step": 2})
     assert str(path) in str(info.value) and ".tmp" not in str(info.value)   # the user's path, not ours
     assert path.read_bytes() == good and list(tmp_path.iterdir()) == [path]
+
+
+# ----------------------------------------------------------------------------- argument mistakes (issue 24)
+def _files(folder):
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def sched_of(mp):
+    return torch.optim.lr_scheduler.LambdaLR(mp.optimizer, lambda s: 0.9 ** s)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda d, mp: save_checkpoint(d / "ck.pt", mp, scheduler=mp.optimizer), TypeError,
+     ["got an optimizer (AdamW)", "pass the LR scheduler"]),
+    (lambda d, mp: save_checkpoint(d / "ck.pt", mp, scheduler=object()), TypeError,
+     ["got a object", "no state_dict()/load_state_dict()"]),
+    (lambda d, mp: save_checkpoint(d / "ck.pt", mp, scheduler=sched_of(engine())), ValueError,
+     ["bound to another optimizer", "mp.optimizer"]),
+    (lambda d, mp: save_checkpoint(None, mp), TypeError, ["file path", "got NoneType"]),
+    (lambda d, mp: save_checkpoint(mp, d / "ck.pt"), TypeError, ["path first", "save_checkpoint(path, engine)"]),
+    (lambda d, mp: save_checkpoint(d / "ck.pt", mp.model), TypeError, ["bare model (Sequential)", "MixedPrecision("]),
+    (lambda d, mp: save_checkpoint(d / "ck.pt", mp, extra={"fn": lambda: 1}), TypeError,
+     ["extra=", "cannot be pickled", "function by name"]),
+    (lambda d, mp: save_checkpoint(str(d / "run") + "/", mp), CheckpointError,
+     ["names a folder", "step_1000.ckpt"]),
+])
+def test_save_argument_mistakes_are_named_before_anything_is_written(tmp_path, call, error, words):
+    mp = trained()
+    with pytest.raises(error) as info:
+        call(tmp_path, mp)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert _files(tmp_path) == []                  # no file, no folder "run", no temporary file
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda p, mp: load_checkpoint(p, mp.model), TypeError, ["bare model (Sequential)", "load_checkpoint(path, mp)"]),
+    (lambda p, mp: load_checkpoint(mp, p), TypeError, ["path first", "load_checkpoint(path, engine)"]),
+    (lambda p, mp: load_checkpoint(p, mp, scheduler=sched_of(engine())), ValueError,
+     ["bound to another optimizer"]),
+    (lambda p, mp: load_checkpoint(p, mp, scheduler=mp.optimizer), TypeError, ["got an optimizer"]),
+    (lambda p, mp: load_checkpoint(p, mp, scheduler=object()), TypeError, ["no state_dict()"]),
+])
+def test_load_argument_mistakes_are_named_and_change_nothing(tmp_path, call, error, words):
+    source = trained()
+    path = save_checkpoint(tmp_path / "ck.pt", source, scheduler=sched_of(source))
+    mp = engine(seed=5)
+    before = [t.clone() for t in mp.model.state_dict().values()]
+    with pytest.raises(error) as info:
+        call(path, mp)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert all(torch.equal(a, b) for a, b in zip(before, mp.model.state_dict().values()))
+
+
+# ----------------------------------------------------------------------------- stale temporary files
+def test_a_later_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
+    mp = trained()
+    stale = tmp_path / ".ck.pt.ab12cd_3.tmp"            # what a save killed mid-write leaves: no lock held
+    stale.write_bytes(b"\0" * 4096)
+    other = tmp_path / ".ck.pt.abc.ab12cd_3.tmp"        # a temporary file of another target, ck.pt.abc
+    other.write_bytes(b"\0")
+    path = save_checkpoint(tmp_path / "ck.pt", mp)
+    assert _files(tmp_path) == [other.name, "ck.pt"]
+    assert load_checkpoint(path, engine(seed=5)) is None
+
+
+def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    live = tmp_path / ".ck.pt.zz99yy_8.tmp"             # another process is writing it: it holds the lock
+    live.write_bytes(b"\0")
+    with open(live, "rb") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        save_checkpoint(tmp_path / "ck.pt", trained())
+        assert live.exists()
+    save_checkpoint(tmp_path / "ck.pt", trained())       # the writer is gone: now it is stale
+    assert _files(tmp_path) == ["ck.pt"]
+
+
+def test_a_killed_save_leaves_a_temporary_file_the_next_save_removes(tmp_path):
+    # A real SIGKILL inside the write: the child holds the lock, the kernel drops it when the child dies.
+    code = ("import os, signal, sys, torch; sys.path.insert(0, %r)\n"
+            "import mixprec.checkpoint as c\n"
+            "from conftest import tiny_model\n"
+            "m = tiny_model(); mp = c.MixedPrecision(m, torch.optim.AdamW(m.parameters()), 'fp16-pure')\n"
+            "def die(*a, **k): os.kill(os.getpid(), signal.SIGKILL)\n"
+            "c.os.fsync = die\n"
+            "c.save_checkpoint(sys.argv[1], mp)\n") % str(Path(__file__).parent)
+    killed = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck.pt")], timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    left = _files(tmp_path)
+    assert len(left) == 1 and left[0].startswith(".ck.pt.") and left[0].endswith(".tmp")
+    save_checkpoint(tmp_path / "ck.pt", trained())
+    assert _files(tmp_path) == ["ck.pt"]

@@ -129,6 +129,43 @@ MATRIX = {
     "loss-scale": (surgery(_drop_scale_key), {}, ["loss scale", "hysteresis_left"]),
     "rng": (surgery(_bad_rng), {}, ["RNG state", "rng=False"]),
     "not-a-payload": (surgery(_not_payload), {}, ["not a save_checkpoint payload"]),
+    # Issue 24: each of these used to overwrite model and optimizer, then fail (or crash the next step).
+    "python-rng": (surgery(lambda s: s["rng"]["python"].__setitem__(1, [1, 2, 3])), {},
+                   ["Python part", "rng=False"]),
+    "python-rng-gauss": (surgery(lambda s: s["rng"]["python"].__setitem__(2, "x")), {}, ["Python part"]),
+    "numpy-rng": (surgery(lambda s: s["rng"]["numpy"].__setitem__(1, s["rng"]["numpy"][1][:5])), {},
+                  ["NumPy part", "rng=False"]),
+    "numpy-rng-name": (surgery(lambda s: s["rng"]["numpy"].__setitem__(0, "PCG64")), {}, ["NumPy part"]),
+    "numpy-rng-range": (surgery(lambda s: s["rng"]["numpy"][1].__setitem__(0, -1)), {}, ["NumPy part"]),
+    "torch-rng-values": (surgery(lambda s: s["rng"]["torch"].__setitem__(slice(None), 0)), {},
+                         ["torch part"]),
+    "scheduler-list": (surgery(lambda s: s.__setitem__("scheduler", [1, 2])), {},
+                       ["scheduler state is a list"]),
+    "scheduler-value": (surgery(lambda s: s["scheduler"].__setitem__("last_epoch", "two")), {},
+                        ["'last_epoch'", "not a finite number"]),
+    "scheduler-keys": (surgery(lambda s: s["scheduler"].pop("base_lrs")), {}, ["LambdaLR state holds"]),
+    "optimizer-step-string": (surgery(lambda s: s["optimizer"]["state"][0].__setitem__("step", "3")), {},
+                              ["'step' of parameter 0", "not a finite scalar"]),
+    "optimizer-step-negative": (surgery(lambda s: s["optimizer"]["state"][0].__setitem__(
+        "step", torch.tensor(-2.0))), {}, ["negative step"]),
+    "optimizer-missing-exp-avg-sq": (surgery(lambda s: s["optimizer"]["state"][1].pop("exp_avg_sq")), {},
+                                     ["parameter 1", "missing exp_avg_sq"]),
+    "optimizer-scalar-moment": (surgery(lambda s: s["optimizer"]["state"][0].__setitem__(
+        "exp_avg", torch.tensor(0.5))), {}, ["'exp_avg' of parameter 0", "shape ()"]),
+    "optimizer-lr-string": (surgery(lambda s: s["optimizer"]["param_groups"][0].__setitem__("lr", "1e-3")),
+                            {}, ["'lr'", "not a finite number"]),
+    "optimizer-betas": (surgery(lambda s: s["optimizer"]["param_groups"][0].__setitem__("betas", (0.9,))),
+                        {}, ["'betas'", "not 2 finite numbers"]),
+    "optimizer-beta-range": (surgery(lambda s: s["optimizer"]["param_groups"][0].__setitem__(
+        "betas", (0.9, 1.5))), {}, ["refused by AdamW", "beta"]),
+    "optimizer-params-numbering": (surgery(lambda s: s["optimizer"]["param_groups"][0].__setitem__(
+        "params", s["optimizer"]["param_groups"][0]["params"][::-1])), {}, ["number their parameters"]),
+    "optimizer-state-list": (surgery(lambda s: s["optimizer"].__setitem__("state", [])), {},
+                             ["per-parameter state is a list"]),
+    "scale-nan": (surgery(lambda s: s["mixprec"]["loss_scale"]["value"].fill_(float("nan"))), {},
+                  ["'value'", "finite positive"]),
+    "scale-negative-count": (surgery(lambda s: s["mixprec"]["loss_scale"]["steps"].fill_(-1)), {},
+                             ["'steps'", "negative count"]),
     "truncated": (lambda p: (saved()(p), p.write_bytes(p.read_bytes()[:-64])), {}, ["truncated"]),
 }
 
@@ -253,13 +290,54 @@ def test_weights_only_hint_comes_first_and_short(tmp_path):
     assert load_checkpoint(path, mp, weights_only=False)["obj"].__class__ is Custom
 
 
-def test_a_failure_the_checks_do_not_know_says_the_engine_may_be_partly_restored(tmp_path, monkeypatch):
+def test_a_failure_the_checks_do_not_know_puts_everything_back(tmp_path, monkeypatch):
+    path = tmp_path / "ck.pt"
+    saved()(path)
+    mp, scheduler = make()
+    before = snapshot(mp, scheduler)
+
+    def broken(state):   # fails last: model, engine, optimizer and scheduler are already overwritten
+        raise RuntimeError("injected")
+    monkeypatch.setattr(mixprec.checkpoint, "_set_rng_state", broken)
+    with pytest.raises(CheckpointError, match="restoring failed after every check passed .injected.*"
+                                              "put back as they were"):
+        load_checkpoint(path, mp, scheduler=scheduler)
+    monkeypatch.undo()
+    assert_same(before, snapshot(mp, scheduler))
+    x, y = batches(1, seed=9)[0]
+    with mp.autocast():
+        loss = F.cross_entropy(mp.model(x), y)
+    mp.backward(loss)
+    assert torch.isfinite(torch.tensor(mp.step().grad_norm))
+
+
+def test_a_failure_of_the_rng_restore_puts_the_rng_back_too(tmp_path, monkeypatch):
+    path = tmp_path / "ck.pt"
+    saved()(path)
+    mp, scheduler = make()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    before = snapshot(mp, scheduler)
+    real = np.random.set_state
+    calls = []
+
+    def fails_once(state):   # torch's and Python's generators are set by then
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("injected")
+        real(state)
+    monkeypatch.setattr(mixprec.checkpoint.np.random, "set_state", fails_once)
+    with pytest.raises(CheckpointError, match="put back as they were"):
+        load_checkpoint(path, mp, scheduler=scheduler)
+    assert_same(before, snapshot(mp, scheduler))
+
+
+def test_when_putting_back_fails_too_the_message_says_partly_restored(tmp_path, monkeypatch):
     path = save_checkpoint(tmp_path / "ck.pt", make()[0])
     mp, _ = make(sched=None)
 
-    def broken(state):
+    def broken(*args, **kwargs):
         raise RuntimeError("injected")
     monkeypatch.setattr(mp.optimizer, "load_state_dict", broken)
-    with pytest.raises(CheckpointError, match="restoring failed after every check passed .injected.*"
-                                              "partly restored"):
+    monkeypatch.setattr(mixprec.checkpoint._Snapshot, "restore", broken)
+    with pytest.raises(CheckpointError, match="putting the engine back failed too.*partly restored"):
         load_checkpoint(path, mp)

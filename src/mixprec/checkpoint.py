@@ -13,12 +13,15 @@ the payload as ``torch.save`` wrote it. The magic line starts with a tiny pickle
 it, and it raises an error saying how to open the file (``mixprec.read_checkpoint``, ``mixprec ckpt
 show``), where a bare header gave "Unsupported operand 80". Files written with the v1 line still load. The file is written under a temporary name in the same folder,
 flushed to disk and renamed over the target, so a crash leaves the old checkpoint or the new one,
-never half of one.
+never half of one (plus a hidden temporary file, which the next save to that path removes).
+A load checks the whole payload first and restores from a snapshot if anything still fails: a failed
+load changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import os
@@ -33,6 +36,11 @@ import torch
 
 from .checkpoint_check import check_fits
 from .engine import MixedPrecision
+
+try:
+    import fcntl
+except ImportError:   # Windows: no flock, so stale temporary files are not cleaned up there
+    fcntl = None
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 
@@ -57,9 +65,16 @@ def use_mixprec_read_checkpoint() -> None:
 
 def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, scheduler: Any = None,
                     extra: Any = None, rng: bool = True) -> Path:
-    """Write everything needed to resume ``engine``'s run to ``path``, atomically. Syncs with the host."""
-    if not isinstance(engine, MixedPrecision):
-        raise TypeError(f"save_checkpoint needs the MixedPrecision engine, got {type(engine).__name__}")
+    """Write everything needed to resume ``engine``'s run to ``path``, atomically. Syncs with the host.
+
+    The arguments are checked before anything is serialised: a swapped ``(engine, path)``, a bare
+    model, an optimizer passed as ``scheduler=``, a scheduler of another optimizer, a path that names
+    a folder, an ``extra`` that cannot be pickled: each a TypeError/ValueError naming the fix.
+    """
+    _check_call("save_checkpoint", path, engine)
+    _check_scheduler_arg("save_checkpoint", scheduler, engine)
+    _check_extra(extra)
+    _check_file_path(path)
     state = {
         "model": engine.model.state_dict(),
         "optimizer": engine.optimizer.state_dict(),
@@ -73,18 +88,86 @@ def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
     return write_verified(path, state)
 
 
+def _check_call(name: str, path: Any, engine: Any) -> None:
+    """TypeError for the two common slips: ``(engine, path)`` swapped, and a model in place of the engine."""
+    if isinstance(path, MixedPrecision) and isinstance(engine, (str, os.PathLike)):
+        raise TypeError(f"{name} takes the path first: call {name}(path, engine), not {name}(engine, path)")
+    if not isinstance(engine, MixedPrecision):
+        got = type(engine).__name__
+        if isinstance(engine, torch.nn.Module):
+            raise TypeError(f"{name} needs the MixedPrecision engine, got the bare model ({got}): pass the "
+                            f"engine that wraps it, {name}(path, mp) with mp = MixedPrecision(model, "
+                            "optimizer, recipe); it saves and restores model, optimizer and loss scale together")
+        raise TypeError(f"{name} needs the MixedPrecision engine as its second argument, got {got}: "
+                        f"call {name}(path, mp)")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} needs a file path (str or pathlib.Path) as its first argument, got "
+                        f"{type(path).__name__}: call {name}('run/step_1000.ckpt', mp)")
+
+
+def _check_scheduler_arg(name: str, scheduler: Any, engine: MixedPrecision) -> None:
+    """``scheduler=`` must be an LR scheduler (state_dict/load_state_dict) of the engine's own optimizer."""
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.Optimizer):
+        raise TypeError(f"{name}(scheduler=...) got an optimizer ({type(scheduler).__name__}): the engine "
+                        "saves its optimizer itself; pass the LR scheduler (e.g. a "
+                        "torch.optim.lr_scheduler.LambdaLR), or leave scheduler= out")
+    if not (callable(getattr(scheduler, "state_dict", None))
+            and callable(getattr(scheduler, "load_state_dict", None))):
+        raise TypeError(f"{name}(scheduler=...) got a {type(scheduler).__name__}, which has no "
+                        "state_dict()/load_state_dict(): pass an LR scheduler (torch.optim.lr_scheduler.*), "
+                        "or keep your own object's state in extra=")
+    bound = getattr(scheduler, "optimizer", None)
+    if isinstance(bound, torch.optim.Optimizer) and bound is not engine.optimizer:
+        raise ValueError(f"{name}(scheduler=...) got a {type(scheduler).__name__} bound to another "
+                         "optimizer than the engine's: build the scheduler on mp.optimizer (the one "
+                         "passed to MixedPrecision)")
+
+
+def _check_extra(extra: Any) -> None:
+    """Pickle ``extra`` alone first: a lambda or an open file fails here, named, not inside the payload."""
+    if extra is None:
+        return
+    try:
+        torch.save(extra, io.BytesIO())
+    except Exception as exc:    # pickle raises PicklingError, AttributeError or TypeError by object kind
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise TypeError(f"save_checkpoint(extra=...) holds something that cannot be pickled ({detail}): "
+                        "keep extras to tensors, numbers, strings, lists and dicts (objects of "
+                        "module-level classes work too, loaded with weights_only=False); store a "
+                        "function by name, not the function") from None
+
+
+def _check_file_path(path: str | os.PathLike) -> None:
+    """A path that ends in a separator names a folder, even where none exists yet: refuse, with a file name."""
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    seps = (os.sep, os.altsep) if os.altsep else (os.sep,)
+    folder = Path(text)
+    if folder.is_dir():
+        raise CheckpointError(f"{text} is a directory: save_checkpoint writes one file; give a file name, "
+                              f"e.g. {folder / 'step_1000.ckpt'}")
+    if text.endswith(seps):      # Path("run/") is "run": it would write a file named run
+        raise CheckpointError(f"{text} ends with a path separator, so it names a folder: save_checkpoint "
+                              f"writes one file; give a file name, e.g. {folder / 'step_1000.ckpt'}")
+
+
 def write_verified(path: str | os.PathLike, state: Any) -> Path:
-    """``torch.save(state)`` to ``path`` atomically, behind the magic, length and SHA-256 header."""
+    """``torch.save(state)`` to ``path`` atomically, behind the magic, length and SHA-256 header.
+
+    Removes the temporary files of ``path`` that a killed save left behind (hidden ``.NAME.*.tmp``,
+    full-size): a writer holds an exclusive ``flock`` on its temporary file, so one nobody holds is stale.
+    """
+    _check_file_path(path)
+    path = Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
-    path = Path(path)
-    if path.is_dir():
-        raise CheckpointError(f"{path} is a directory: save_checkpoint writes one file; give a file name, "
-                              f"e.g. {path / 'step_1000.ckpt'}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = _locked_temp(path)
     except OSError as exc:
         raise _write_error(path, exc) from exc
     try:
@@ -93,7 +176,10 @@ def write_verified(path: str | os.PathLike, state: Any) -> Path:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            if fcntl is not None:      # still under our lock: a cleanup never takes a file being renamed
+                os.replace(tmp, path)
+        if fcntl is None:              # Windows cannot rename an open file
+            os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -101,7 +187,50 @@ def write_verified(path: str | os.PathLike, state: Any) -> Path:
             raise _write_error(path, exc) from exc
         raise
     _fsync_dir(path.parent)
+    _remove_stale_temps(path)
     return path
+
+
+def _locked_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file beside ``path``, exclusively locked (where ``fcntl`` exists) while it is written."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:   # a cleanup may have taken it between mkstemp and flock: then make another
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                return fd, tmp
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Delete ``.NAME.XXXXXXXX.tmp`` files of ``path`` that no live writer holds (a save killed mid-write).
+
+    Only where ``fcntl`` exists (POSIX): the kernel drops a killed writer's lock, so a temporary file we
+    can lock is one nobody is writing. Best effort: a file we cannot open or remove is left alone.
+    """
+    if fcntl is None:
+        return
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[A-Za-z0-9_]{{8}}\.tmp")
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        stale = path.parent / name
+        with contextlib.suppress(OSError):
+            fd = os.open(stale, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)    # BlockingIOError: a live writer
+                if os.path.samestat(os.fstat(fd), os.stat(stale)):
+                    os.unlink(stale)
+            finally:
+                os.close(fd)
 
 
 def _write_error(path: Path, exc: OSError) -> CheckpointError:
@@ -118,20 +247,25 @@ def load_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
                     rng: bool = True, weights_only: bool = True, ignore_scheduler: bool = False) -> Any:
     """Verify ``path`` and restore it into ``engine`` (and ``scheduler``); returns the saved extras.
 
-    A bad or misfitting file changes nothing: the checksum is checked before anything is unpickled,
-    and everything the file holds is checked against the engine (model keys, shapes and dtypes, the
-    recipe, the loss scale, master weights, fp8 state, the optimizer's type, groups and state shapes,
-    the scheduler both ways, the RNG state: ``checkpoint_check``) before the first tensor is copied.
+    A bad or misfitting file changes nothing, twice over. The checksum is checked before anything is
+    unpickled, and everything the file holds is checked against the engine (model keys, shapes and
+    dtypes, the recipe, the loss scale and its values, master weights, fp8 state, the optimizer's
+    type, groups, settings and per-parameter state, the scheduler both ways, the RNG states:
+    ``checkpoint_check``) before the first tensor is copied. And the restore itself runs against a
+    snapshot of everything it touches (model, engine, optimizer, scheduler, RNG states; tensors
+    copied to the CPU): any failure part way puts all of it back before the error is raised.
     A file that holds scheduler state must be loaded with ``scheduler=`` (or ``ignore_scheduler=True``).
     ``weights_only=False`` lets extras hold arbitrary Python objects: only for files you trust.
     """
+    _check_call("load_checkpoint", path, engine)
+    _check_scheduler_arg("load_checkpoint", scheduler, engine)
     path = Path(path)
     state = read_verified(path, engine.device, weights_only)
     try:
         check_fits(state, engine, scheduler, ignore_scheduler=ignore_scheduler)
     except ValueError as exc:
         raise CheckpointError(f"{path}: does not fit this model/optimizer/recipe: {exc}") from None
-    # Everything below was checked to fit: each load accepts what it is given.
+    snapshot = _Snapshot(engine, scheduler, rng)
     try:
         engine.model.load_state_dict(state["model"])
         engine.load_state_dict(state["mixprec"])
@@ -140,11 +274,78 @@ def load_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
             scheduler.load_state_dict(state["scheduler"])
         if rng and state["rng"] is not None:
             _set_rng_state(state["rng"])
-    except Exception as exc:   # a misfit the checks do not know yet: say the engine is half-restored
-        raise CheckpointError(f"{path}: restoring failed after every check passed ({exc}); the engine may "
-                              "be partly restored: rebuild it before training on, and report this as a "
-                              "mixprec bug") from exc
+    except Exception as exc:   # a misfit the checks do not know yet: put everything back
+        try:
+            snapshot.restore()
+        except Exception as again:
+            raise CheckpointError(f"{path}: restoring failed after every check passed ({exc}), and putting "
+                                  f"the engine back failed too ({again}): it may be partly restored: "
+                                  "rebuild it before training on, and report this as a mixprec bug") from exc
+        raise CheckpointError(f"{path}: restoring failed after every check passed ({exc}); the model, "
+                              "optimizer, engine, scheduler and RNG states were put back as they were. "
+                              "Report this as a mixprec bug, with the file") from exc
     return state["extra"]
+
+
+class _Snapshot:
+    """What ``load_checkpoint`` may change, kept so a failed restore can be undone bit for bit.
+
+    Tensors are copied to the CPU (the loaded file already holds one device copy; a second would
+    double the peak). The optimizer's ``state`` and ``param_groups`` are kept by reference:
+    ``Optimizer.load_state_dict`` builds new ones and never writes into the old.
+    """
+
+    def __init__(self, engine: MixedPrecision, scheduler: Any, rng: bool) -> None:
+        self.engine, self.scheduler = engine, scheduler
+        self.model = {k: _cpu_copy(v) for k, v in engine.model.state_dict().items()}
+        self.mixprec = _cpu_copy(engine.state_dict())
+        self.opt_state, self.opt_groups = engine.optimizer.state, engine.optimizer.param_groups
+        self.opt_group_items = [dict(g) for g in engine.optimizer.param_groups]
+        self.sched_dict = dict(scheduler.__dict__) if scheduler is not None else None
+        self.sched_state = _cpu_copy(scheduler.state_dict()) if scheduler is not None else None
+        self.rng = _rng_snapshot() if rng else None
+
+    def restore(self) -> None:
+        engine = self.engine
+        with torch.no_grad():
+            for key, tensor in engine.model.state_dict().items():
+                tensor.copy_(self.model[key])
+        engine.load_state_dict(self.mixprec)
+        engine.optimizer.state, engine.optimizer.param_groups = self.opt_state, self.opt_groups
+        for group, items in zip(self.opt_groups, self.opt_group_items):
+            group.clear()
+            group.update(items)
+        if self.scheduler is not None:
+            self.scheduler.__dict__.clear()
+            self.scheduler.__dict__.update(self.sched_dict)
+            self.scheduler.load_state_dict(self.sched_state)
+        if self.rng is not None:
+            _restore_rng(self.rng)
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """A deep copy with every tensor cloned to the CPU (dicts, lists and tuples rebuilt, the rest copied)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _rng_snapshot() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+
+def _restore_rng(saved: tuple) -> None:
+    cpu, cuda, python, numpy_state = saved
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(python)
+    np.random.set_state(numpy_state)
 
 
 def read_verified(path: Path, device: torch.device, weights_only: bool = True) -> Any:
