@@ -269,3 +269,18 @@ def test_step_without_backward_keeps_its_message():
     mp = MixedPrecision(model, opt, "fp16")
     with pytest.raises(RuntimeError, match=r"call mp.backward\(loss\) before mp.step\(\)"):
         mp.step()
+
+
+def test_an_engine_and_its_model_are_freed_when_the_user_drops_them():
+    # The registry that words the second-engine message holds engines weakly: a strong value would keep
+    # its own model key alive, and every engine ever built with it.
+    import gc
+    import weakref
+    refs = []
+    for _ in range(3):
+        model = torch.nn.Linear(4, 4)
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-pure")
+        refs += [weakref.ref(model), weakref.ref(mp)]
+        del model, mp
+    gc.collect()
+    assert all(r() is None for r in refs)

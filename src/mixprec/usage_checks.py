@@ -49,10 +49,10 @@ SKIP_WARNING_AFTER = 10
 _GUARDS: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDictionary()
 
 
-# The engine last built on each model (weakly: neither is kept alive), so that a second engine on the same
-# model and optimizer is told what the optimizer holds (the first engine's fp32 copies), not that it holds
-# parameters of another model.
-_ENGINES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# Per model (weakly keyed), the recipe and fp32 master-copy ids of the engine last built on it, so that a
+# second engine on the same model and optimizer is told what the optimizer holds (the first engine's fp32
+# copies), not that it holds parameters of another model.
+_ENGINES: weakref.WeakKeyDictionary[Any, tuple[str, frozenset[int]]] = weakref.WeakKeyDictionary()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -102,17 +102,19 @@ def check_param_dtypes(model: Any, recipe: Any, low: list[Any]) -> None:
 
 
 def remember_engine(model: Any, engine: Any) -> None:
-    """Note ``engine`` as the one built on ``model`` (for ``foreign_params_message``)."""
-    _ENGINES[model] = engine
+    """Note what ``engine`` put in its optimizer for ``model`` (for ``foreign_params_message``): its recipe
+    and the ids of its fp32 master copies, which live as long as that optimizer. Not the engine itself:
+    it holds the model, so it would keep its own key alive, and every engine ever built with it."""
+    masters = frozenset(id(m) for m in engine.master.masters) if engine.master is not None else frozenset()
+    _ENGINES[model] = (engine.recipe.label, masters)
 
 
 def foreign_params_message(model: Any, optimizer: Any, foreign: list[Any], total: int) -> str:
     """Why the optimizer holds tensors that are not ``model``'s, and what to do."""
-    prior = _ENGINES.get(model)
-    masters = {id(m) for m in prior.master.masters} if prior is not None and prior.master is not None else set()
+    label, masters = _ENGINES.get(model, ("", frozenset()))
     if masters and all(id(p) in masters for p in foreign):
         return (f"this optimizer already belongs to a MixedPrecision engine built on this "
-                f"{type(model).__name__} under recipe {prior.recipe.label!r}: it holds that engine's fp32 "
+                f"{type(model).__name__} under recipe {label!r}: it holds that engine's fp32 "
                 f"master copies ({len(foreign)} of its {total} tensors) and the model's weights are already "
                 "16-bit. Keep using the first engine (one engine per model and optimizer), or build a new "
                 "fp32 model and optimizer for a new engine")
