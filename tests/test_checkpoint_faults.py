@@ -42,6 +42,15 @@ def make(recipe="fp16-pure", opt="adamw", hidden=16, groups=1, seed=0, sched="la
     return mp, scheduler
 
 
+def assert_still_trains(mp):
+    """One more step after a refused or undone load: the engine trains on, finite."""
+    x, y = batches(1, seed=9)[0]
+    with mp.autocast():
+        loss = F.cross_entropy(mp.model(x), y)
+    mp.backward(loss)
+    assert torch.isfinite(torch.tensor(mp.step().grad_norm))
+
+
 def snapshot(mp, scheduler):
     """Every piece of state a load could touch, cloned: compared bitwise after a refused load."""
     opt = mp.optimizer.state_dict()
@@ -211,12 +220,7 @@ def test_a_refused_load_changes_nothing(tmp_path, case):
     for word in words:
         assert word in message, (word, message)
     assert_same(before, snapshot(mp, scheduler))
-    # The engine still trains after the refusal (nothing half-restored to trip over).
-    x, y = batches(1, seed=9)[0]
-    with mp.autocast():
-        loss = F.cross_entropy(mp.model(x), y)
-    mp.backward(loss)
-    assert torch.isfinite(torch.tensor(mp.step().grad_norm))
+    assert_still_trains(mp)     # nothing half-restored to trip over
 
 
 def test_adamw_into_sgd_names_both_types_and_step_still_works(tmp_path):
@@ -304,11 +308,7 @@ def test_a_failure_the_checks_do_not_know_puts_everything_back(tmp_path, monkeyp
         load_checkpoint(path, mp, scheduler=scheduler)
     monkeypatch.undo()
     assert_same(before, snapshot(mp, scheduler))
-    x, y = batches(1, seed=9)[0]
-    with mp.autocast():
-        loss = F.cross_entropy(mp.model(x), y)
-    mp.backward(loss)
-    assert torch.isfinite(torch.tensor(mp.step().grad_norm))
+    assert_still_trains(mp)
 
 
 def test_a_failure_of_the_rng_restore_puts_the_rng_back_too(tmp_path, monkeypatch):
