@@ -5,6 +5,8 @@ it is easiest to be wrong. The compiled graphs are tiny (one elementwise kernel 
 
 import contextlib
 import math
+import tempfile
+import time
 import warnings
 
 import pytest
@@ -200,6 +202,57 @@ def test_without_a_c_compiler_the_histogram_warns_once_and_counts_eagerly(monkey
             range_native.native_counter.cache_clear()      # later tests build it again
     monkeypatch.undo()
     assert range_native.native_counter() is not None
+
+
+def _without_native(monkeypatch, reason: str, x: torch.Tensor) -> None:
+    """The counter is not built, the one warning names ``reason``, and the eager route counts the same."""
+    range_native.native_counter.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hist = RangeHistogram("cpu")
+            hist.add(x)
+        notes = [str(w.message) for w in caught if issubclass(w.category, FusionWarning)]
+        assert len(notes) == 1 and reason in notes[0], notes
+        assert hist.result() == _stats(x, route="eager")
+    finally:
+        monkeypatch.undo()
+        range_native.native_counter.cache_clear()
+
+
+def test_a_build_the_machine_cannot_do_warns_with_its_reason_and_counts_eagerly(monkeypatch, tmp_path):
+    x = _adversarial_f32()[:20_000]
+    # No writable temporary directory (the doctor used to exit with FileNotFoundError).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    _without_native(monkeypatch, "point TMPDIR at a writable directory", x)
+    # A $CC that does not resolve is named, not silently replaced by cc.
+    monkeypatch.setenv("CC", "no-such-compiler-mixprec")
+    _without_native(monkeypatch, "$CC='no-such-compiler-mixprec' is not a program", x)
+    # A compiler that hangs: stopped after the time limit, with the children it started.
+    pid_file = tmp_path / "child.pid"
+    cc = tmp_path / "hanging-cc"
+    cc.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {pid_file}\nwait\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(range_native, "_BUILD_SECONDS", 1)
+    start = time.monotonic()
+    _without_native(monkeypatch, "was still running after 1 s", x)
+    assert time.monotonic() - start < 10               # one try, not one per set of flags
+    stat = f"/proc/{int(pid_file.read_text())}/stat"
+    for _ in range(50):                                  # SIGKILLed with its group: gone, or a zombie
+        if not _running(stat):
+            break
+        time.sleep(0.05)
+    assert not _running(stat)
+    assert range_native.native_counter() is not None
+
+
+def _running(stat: str) -> bool:
+    try:
+        with open(stat) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.parametrize("route", ["native", "compiled"])

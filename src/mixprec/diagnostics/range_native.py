@@ -14,10 +14,13 @@ Why not a C++ extension of torch: building against torch's headers takes most of
 Inductor's C++ build of the compiled kernel takes seconds. This file includes only ``<stdint.h>``
 and ``<string.h>`` and builds in under half a second, so it is built once per process in a
 temporary directory that is removed once the library is loaded: nothing cached on disk to go stale
-or to share between machines. The compiler is ``$CC``, else ``cc``, ``gcc`` or ``clang``. Where none
-is found or the build fails, :func:`native_counter` warns once (:class:`~mixprec.fusion.FusionWarning`,
-with the reason) and returns ``None``, and the histogram counts by the eager route: the same
-numbers, in about three times the time.
+or to share between machines. The compiler is ``$CC`` when set (a ``$CC`` that does not resolve is a
+reason not to build, never silently swapped for another), else ``cc``, ``gcc`` or ``clang``. Where
+none is found, the temporary directory cannot be made or written (no writable ``$TMPDIR``, a full
+disk), or the build fails or outlives ``_BUILD_SECONDS`` (the compiler and its children are killed),
+:func:`native_counter` warns once (:class:`~mixprec.fusion.FusionWarning`, with the reason) and
+returns ``None``, and the histogram counts by the eager route: the same numbers, in about three
+times the time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import ctypes
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import warnings
@@ -40,22 +44,38 @@ __all__ = ["count_native", "native_counter"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # the C file's enum
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99")                  # never -ffast-math: subnormals count
-_BUILD_SECONDS = 60
+_BUILD_SECONDS = 20     # a build takes under half a second; a compiler still running at 20 s is stuck
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+    """``$CC`` if set (resolved or not: ``_build`` says when it does not), else the first found."""
+    if os.environ.get("CC"):
+        return os.environ["CC"]
+    return next((name for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler in its own process group, so a timeout kills it and everything it started."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=_BUILD_SECONDS)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @functools.cache
 def native_counter() -> ctypes._CFuncPtr | None:
     """``mixprec_count_runs`` from a fresh build of ``range_count.c``; ``None``, said once, where it fails."""
-    fn, why_not = _build()
-    if fn is None:      # e.g. a libc without ifunc, which the x86 clones need: one plain build more
-        fn, _ = _build(("-DMIXPREC_NO_CLONES",))
+    try:
+        fn, why_not = _build()
+        if fn is None:      # e.g. a libc without ifunc, which the x86 clones need: one plain build more
+            fn, _ = _build(("-DMIXPREC_NO_CLONES",))
+    except _CannotBuild as exc:     # nothing to gain from a second try: no compiler, no disk, a hang
+        fn, why_not = None, str(exc)
     if fn is None:
         warnings.warn(f"mixprec could not build its range counter here ({why_not}); the doctor counts with "
                       "eager torch ops instead (the same numbers, counted about 3x slower). Set CC to a "
@@ -63,30 +83,42 @@ def native_counter() -> ctypes._CFuncPtr | None:
     return fn
 
 
+class _CannotBuild(Exception):
+    """This machine cannot build the counter at all (as opposed to one set of flags failing)."""
+
+
 def _build(extra: tuple[str, ...] = ()) -> tuple[ctypes._CFuncPtr | None, str]:
-    """The loaded function built with the ``extra`` compiler flags, or ``None`` and why not."""
+    """The loaded function built with the ``extra`` compiler flags, or ``None`` and why not.
+
+    Raises ``_CannotBuild`` where no build can succeed, whatever the flags.
+    """
     cc = _compiler()
     if cc is None:
-        return None, "no C compiler found: $CC, cc, gcc or clang"
+        raise _CannotBuild("no C compiler found: $CC, cc, gcc or clang")
+    if shutil.which(cc) is None:
+        raise _CannotBuild(f"$CC={cc!r} is not a program on PATH (unset CC, or point it at a C compiler)")
     ends = boundaries()[0]
     source = resources.files(__package__).joinpath("range_count.c").read_text()
     defines = (f"-DMIXPREC_N_ENDS={len(ends)}", f"-DMIXPREC_ENDS={','.join(f'{e:#x}u' for e in ends)}")
-    with tempfile.TemporaryDirectory(prefix="mixprec-native-") as tmp:
-        src, lib = os.path.join(tmp, "range_count.c"), os.path.join(tmp, "range_count.so")
-        with open(src, "w") as f:
-            f.write(source)
-        try:
-            done = subprocess.run([cc, *_FLAGS, *defines, *extra, "-o", lib, src], capture_output=True, text=True,
-                                  timeout=_BUILD_SECONDS)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"{cc} did not run: {exc}"
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0][:200]
-            return None, f"{cc} failed on range_count.c: {first}"
-        try:
-            fn = ctypes.CDLL(lib).mixprec_count_runs      # stays mapped after the file is removed
-        except (OSError, AttributeError) as exc:
-            return None, f"the built library did not load: {exc}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="mixprec-native-") as tmp:
+            src, lib = os.path.join(tmp, "range_count.c"), os.path.join(tmp, "range_count.so")
+            with open(src, "w") as f:
+                f.write(source)
+            try:
+                done = _run([cc, *_FLAGS, *defines, *extra, "-o", lib, src])
+            except subprocess.TimeoutExpired:
+                raise _CannotBuild(f"{cc} was still running after {_BUILD_SECONDS} s (stopped)") from None
+            if done.returncode != 0:
+                first = (done.stderr.strip().splitlines() or ["no message"])[0][:200]
+                return None, f"{cc} failed on range_count.c: {first}"
+            try:
+                fn = ctypes.CDLL(lib).mixprec_count_runs      # stays mapped after the file is removed
+            except (OSError, AttributeError) as exc:
+                return None, f"the built library did not load: {exc}"
+    except OSError as exc:    # no writable temp dir, a full disk, a compiler that cannot start
+        where = os.environ.get("TMPDIR") or "the system's temporary directory"
+        raise _CannotBuild(f"could not build in {where} ({exc}); point TMPDIR at a writable directory") from None
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p]
