@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import doctest
+import importlib
 import io
 import pathlib
 import re
@@ -220,3 +221,17 @@ def test_the_site_builds_strict(tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / "site" / "fp8" / "index.html").exists()
+
+
+SKIPPED = [b for b in PYTHON if b.marker == "skip"]
+
+
+@pytest.mark.parametrize("block", SKIPPED, ids=[b.id for b in SKIPPED])
+def test_a_block_too_big_to_run_imports_only_what_mixprec_has(block):
+    """A block the docs test cannot run (torchrun, a GPU) still names only things mixprec exports:
+    the distributed example once imported ``local_shard`` from a package that did not have it."""
+    imports = re.findall(r"^from (mixprec[\w.]*) import ([\w, ]+)$", block.code, flags=re.M)
+    for module, names in imports:
+        mod = importlib.import_module(module)
+        missing = [n.strip() for n in names.split(",") if not hasattr(mod, n.strip())]
+        assert not missing, f"{block.id}: {module} has no {missing}"
