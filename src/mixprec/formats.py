@@ -1,4 +1,4 @@
-"""Number formats (fp32, tf32, fp16, bf16, fp8) and exact rounding into them.
+"""Number formats (fp32, tf32, fp16, bf16, fp8, fp4) and exact rounding into them.
 
 A :class:`Format` describes a binary floating-point layout: 1 sign bit, ``exponent_bits``
 of biased exponent and ``mantissa_bits`` of stored fraction. Its range constants are
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "BF16", "FORMATS", "FP16", "FP32", "FP8_E4M3", "FP8_E5M2", "TF32",
+    "BF16", "FORMATS", "FP16", "FP32", "FP4_E2M1", "FP8_E4M3", "FP8_E5M2", "TF32",
     "Format", "RangeCounts", "classify", "get_format", "quantize",
 ]
 
@@ -36,6 +36,8 @@ class Format:
     normal exponent is ``1 - b``; the largest is ``2**exponent_bits - 2 - b`` when the
     all-ones exponent is reserved for inf/NaN (IEEE style, ``has_inf=True``), and one
     more for e4m3fn, which keeps only S.1111.111 as NaN and so tops out at 1.75 * 2**8.
+    A format with neither inf nor NaN (``has_nan=False``: fp4 e2m1) uses every pattern:
+    its all-ones pattern is its max, 1.5 * 2**2 = 6 for e2m1.
 
         >>> FP16.max, FP16.min_normal, FP16.min_subnormal, FP16.eps
         (65504.0, 6.103515625e-05, 5.960464477539063e-08, 0.0009765625)
@@ -48,6 +50,7 @@ class Format:
     has_inf: bool
     torch_dtype: torch.dtype | None  # None where torch has no storage dtype (tf32)
     numpy_dtype: type | None  # numpy / ml_dtypes scalar type; None for tf32
+    has_nan: bool = True  # False: no NaN pattern either (e2m1); quantize marks its NaNs in the fp32 holder
     max: float = dataclasses.field(init=False)
     min_normal: float = dataclasses.field(init=False)
     min_subnormal: float = dataclasses.field(init=False)
@@ -61,8 +64,10 @@ class Format:
             raise ValueError(f"mantissa_bits must be in 1..23, got {self.mantissa_bits}")
         if self.bits < 1 + self.exponent_bits + self.mantissa_bits:
             raise ValueError(f"bits={self.bits} cannot hold 1 + {self.exponent_bits} + {self.mantissa_bits} bits")
+        if self.has_inf and not self.has_nan:
+            raise ValueError("a format with inf has NaN too (IEEE keeps the all-ones exponent for both)")
         m = self.mantissa_bits
-        if self.has_inf:  # top exponent reserved: largest significand 2 - 2**-m
+        if self.has_inf or not self.has_nan:  # top exponent reserved, or no NaN at all: significand 2 - 2**-m
             top = (2.0 - 2.0**-m) * 2.0**self.max_exponent
         else:  # e4m3fn: top exponent usable, but all-ones mantissa is NaN -> 2 - 2**(1-m)
             top = (2.0 - 2.0 ** (1 - m)) * 2.0**self.max_exponent
@@ -96,8 +101,11 @@ FP16 = Format("fp16", 5, 10, 16, True, torch.float16, np.float16)
 BF16 = Format("bf16", 8, 7, 16, True, torch.bfloat16, ml_dtypes.bfloat16)
 FP8_E4M3 = Format("fp8_e4m3", 4, 3, 8, False, torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn)
 FP8_E5M2 = Format("fp8_e5m2", 5, 2, 8, True, torch.float8_e5m2, ml_dtypes.float8_e5m2)
+# OCP fp4: no inf, no NaN, values 0, 0.5, 1, 1.5, 2, 3, 4, 6. torch's float4_e2m1fn_x2 packs two per
+# byte (no elementwise cast), so there is no torch dtype; the values are held as fp32.
+FP4_E2M1 = Format("fp4_e2m1", 2, 1, 4, False, None, ml_dtypes.float4_e2m1fn, has_nan=False)
 
-FORMATS: dict[str, Format] = {f.name: f for f in (FP32, TF32, FP16, BF16, FP8_E4M3, FP8_E5M2)}
+FORMATS: dict[str, Format] = {f.name: f for f in (FP32, TF32, FP16, BF16, FP8_E4M3, FP8_E5M2, FP4_E2M1)}
 
 _ALIASES: dict[str, Format] = {
     **FORMATS,
@@ -107,6 +115,7 @@ _ALIASES: dict[str, Format] = {
     "bfloat16": BF16,
     "e4m3": FP8_E4M3, "e4m3fn": FP8_E4M3, "fp8_e4m3fn": FP8_E4M3, "float8_e4m3fn": FP8_E4M3,
     "e5m2": FP8_E5M2, "float8_e5m2": FP8_E5M2,
+    "e2m1": FP4_E2M1, "float4_e2m1fn": FP4_E2M1, "fp4_e2m1fn": FP4_E2M1,
 }
 _BY_TORCH_DTYPE: dict[torch.dtype, Format] = {f.torch_dtype: f for f in FORMATS.values() if f.torch_dtype}
 
@@ -156,6 +165,11 @@ def quantize(x: torch.Tensor, fmt: str | Format | torch.dtype, saturate: bool = 
     no inf (its 464, the tie above 448, still rounds down to 448). ``saturate=True``
     clamps finite overflow to ±max instead; it never touches inf input, which stays
     ±inf (NaN for e4m3fn, like ml_dtypes' cast). NaN stays NaN.
+
+    fp4 e2m1 has neither inf nor NaN, so NaN in its fp32 holder means "not representable":
+    overflow without ``saturate`` (7, the tie above 6, rounds up to 8), inf and NaN input all
+    give NaN (ml_dtypes' cast instead saturates them, and turns NaN into 0). With
+    ``saturate=True`` finite values clamp to ±6, exactly as ml_dtypes does.
 
     Non-float32 float input is first converted to float32 (float64 input is thus
     rounded twice). Pure int32 bit arithmetic: runs on any device, no host sync.
