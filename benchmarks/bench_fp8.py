@@ -69,9 +69,16 @@ def _variants(size: int, device: torch.device, compile_: bool) -> dict[str, nn.M
             unfused = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
             unfused.fused_casts = False
             variants[f"{name}, eager casts"] = unfused
+    # Blocked scalings (issue 25): rowwise through _scaled_mm's row scales, block through the Hopper
+    # 1x128/128x128 kernel; on a device without them the layer emulates (a notice says so).
+    for name, cfg in (("mixprec fp8 rowwise", Fp8Config.parse("rowwise")),
+                      ("mixprec fp8 block", Fp8Config.parse("block"))):
+        variants[name] = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
     try:
-        from torchao.float8 import convert_to_float8_training   # optional: only where installed
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training   # optional
         variants["torchao Float8Linear"] = convert_to_float8_training(nn.Sequential(copy.deepcopy(base)))
+        variants["torchao Float8Linear rowwise"] = convert_to_float8_training(
+            nn.Sequential(copy.deepcopy(base)), config=Float8LinearConfig.from_recipe_name("rowwise"))
     except ImportError:
         pass
     if compile_:

@@ -31,7 +31,7 @@ run() {   # run NAME CMD...: tee the output to $OUT/NAME.txt and keep going when
 case "${1:-}" in
   tests)
     run env sh -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
-    run gpu-tests "$PY" -m pytest -q -rs tests/gpu ;;
+    run gpu-tests "$PY" -m pytest -q -rs -m gpu tests ;;   # tests/gpu and the gpu-marked tests elsewhere (the Hopper block kernel)
   kernels)
     run bench-step "$PY" benchmarks/bench_step.py --device cuda
     run bench-fp8 "$PY" benchmarks/bench_fp8.py --device cuda
@@ -69,6 +69,9 @@ case "${1:-}" in
     run e2e-bf16 "$PY" benchmarks/bench_e2e.py --device cuda --variants amp-bf16,bf16 --steps 20 ;;
   e2e-fp8)   # issue 11 (~10 min): fp8 against torch.amp bf16 and torchao in the same run
     run e2e-fp8 "$PY" benchmarks/bench_e2e.py --device cuda --variants amp-bf16,bf16,torchao-fp8,fp8,fp8-delayed \
+        --steps 20
+    # issue 25: the blocked scalings (rowwise and block on Hopper's kernels; mxfp8/nvfp4 emulated there)
+    run e2e-fp8-blocked "$PY" benchmarks/bench_e2e.py --device cuda --variants amp-bf16,fp8,fp8-rowwise,fp8-block \
         --steps 20 ;;
   e2e-recipes)
     run e2e-recipes "$PY" benchmarks/bench_e2e.py --device cuda --modes eager,compiled --steps 10 \

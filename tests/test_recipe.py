@@ -318,6 +318,8 @@ def test_parse_recipe_and_get_recipe_name_the_accepted_types(bad):
         get_recipe(bad)
     with pytest.raises(TypeError, match="spelled as a string"):
         LossScaleConfig.parse(bad)
+    with pytest.raises(TypeError, match=rf"an fp8 scaling is spelled as a string .*got {type(bad).__name__}"):
+        Fp8Config.parse(bad)      # was AttributeError: 'NoneType' object has no attribute 'strip'
 
 
 def test_a_module_in_fp16_is_what_the_recipes_guide_says():

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .recipe import Precision, Recipe, get_recipe
 
-__all__ = ["Support", "supports", "probe_scaled_mm", "Fp8Speed", "probe_fp8_speed", "resolve_device",
+__all__ = ["Support", "supports", "probe_scaled_mm", "probe_fp8_kernel", "Fp8Speed", "probe_fp8_speed", "resolve_device",
            "device_name"]
 
 _CUDA_FP8_CAPABILITY = (8, 9)   # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores
@@ -71,7 +71,7 @@ def supports(recipe: Recipe | str, device: torch.device | str) -> Support:
                                   "Ampere, or later): use fp16")
     if recipe.fp8 is not None and recipe.fp8.backend == "scaled_mm":
         # backend=auto runs anywhere (emulated where torch._scaled_mm cannot); scaled_mm was demanded.
-        fp8 = probe_scaled_mm(device)
+        fp8 = probe_fp8_kernel(recipe.fp8.scaling.value, device)
         if not fp8.ok:
             return Support(False, f"{fp8.reason}: use fp8 backend=auto (emulates) or a bf16 recipe")
     return Support(True)
@@ -113,6 +113,59 @@ def probe_scaled_mm(device: torch.device | str) -> Support:
     # and restores them after; outside any mode it does nothing.
     with _disable_current_modes():
         return _probe(str(torch.device(device)))
+
+
+_NO_KERNEL = {"mxfp8": "MXFP8", "nvfp4": "NVFP4"}
+
+
+def probe_fp8_kernel(scaling: str, device: torch.device | str) -> Support:
+    """Whether ``device`` runs the scaled-matmul kernel of an fp8 scaling (``Fp8Scaling`` value), and if not, why.
+
+    current/delayed: ``probe_scaled_mm``; rowwise: the same with (M, 1) and (1, N) fp32 scales; block:
+    ``torch.nn.functional.scaled_mm`` with 1x128 and 128x128 scales, compute capability 9.x only
+    (cuBLASLt's DeepSeek-style kernels); mxfp8, nvfp4: their kernels need Blackwell (10.x) and packed
+    scale layouts mixprec does not build: never. One tiny matmul per device and kind, cached.
+    """
+    if scaling in _NO_KERNEL:
+        return Support(False, f"{_NO_KERNEL[scaling]} matmul kernels need an NVIDIA Blackwell GPU (compute "
+                              f"capability 10.x) and mixprec does not call them yet")
+    support = probe_scaled_mm(device)
+    if not support.ok or scaling in ("current", "delayed"):
+        return support
+    with _disable_current_modes():
+        return _probe_kernel(str(torch.device(device)), scaling)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_kernel(device: str, scaling: str) -> Support:
+    dev = torch.device(device)
+    if scaling == "block" and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9
+                               or not hasattr(torch.nn.functional, "scaled_mm")):
+        return Support(False, "128-block fp8 matmuls (torch.nn.functional.scaled_mm, BlockWise1x128/128x128) "
+                              "run on CUDA compute capability 9.x (Hopper) only")
+    try:
+        n = 128 if scaling == "block" else 16
+        a = torch.ones(n, n, device=dev).to(torch.float8_e4m3fn)
+        b = torch.ones(n, n, device=dev).to(torch.float8_e4m3fn).t()         # column-major
+        for out_dtype in (torch.float32, torch.bfloat16):
+            if scaling == "block":          # both pairs fp8=block runs: 1x128 by 128x128, and 1x128 by 1x128
+                from torch.nn.functional import ScalingType
+                one = torch.ones(n, 1, device=dev)                               # (n, n/128), stride (1, n)
+                tile = torch.ones(4, 1, device=dev)                              # (round_up(1, 4), n/128)
+                out = torch.nn.functional.scaled_mm(a, b, one, ScalingType.BlockWise1x128, tile,
+                                                    ScalingType.BlockWise128x128, output_dtype=out_dtype)
+                out = out + torch.nn.functional.scaled_mm(a, b, one, ScalingType.BlockWise1x128, one,
+                                                          ScalingType.BlockWise1x128, output_dtype=out_dtype)
+                out = out / 2
+            else:
+                out = torch._scaled_mm(a, b, scale_a=torch.ones(n, 1, device=dev),
+                                       scale_b=torch.ones(1, n, device=dev), out_dtype=out_dtype)
+            if float(out[0, 0]) != n:            # the probe's one host sync
+                return Support(False, f"the {scaling} fp8 matmul on {dev} gave a wrong result")
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+        return Support(False, f"the {scaling} fp8 matmul does not run on {dev} with this torch build "
+                              f"({str(exc).splitlines()[0][:120]})")
+    return Support(True)
 
 
 class Fp8Speed(NamedTuple):

@@ -1,6 +1,7 @@
-"""fp8 training: per-tensor scaling (scaling.py), scaled matmuls (matmul.py), the fp8 linear layer
-(linear.py), the swap of eligible ``nn.Linear`` layers with its report (swap.py), the scale state in
-checkpoints (state.py) and per-layer scale/amax/headroom statistics (stats.py). The fp8 part of a
+"""fp8 training: per-tensor scaling (scaling.py), block scaling (blockscale.py: rowwise, 1x128/128x128,
+MXFP8, NVFP4), scaled matmuls (matmul.py), the fp8 linear layer (linear.py, with the blocked GEMMs in
+blocked_linear.py), the swap of eligible ``nn.Linear`` layers with its report (swap.py), the scale
+state in checkpoints (state.py) and per-layer scale/amax/headroom statistics (stats.py). The fp8 part of a
 recipe, ``Fp8Config``, lives with the recipes (``mixprec.recipe.fp8``) and is re-exported here.
 
 The engine swaps layers when a recipe has ``fp8=...``; these names are for users who want the layer,
@@ -8,6 +9,7 @@ the scales or the report on their own.
 """
 
 from ..recipe.fp8 import Fp8Config, Fp8Scaling
+from .blocked_linear import BlockedRecipe, blocked_recipe
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .linear import ROLES, Fp8Linear
 from .matmul import emulated_mm, probe_scaled_mm, scaled_mm
@@ -19,5 +21,6 @@ __all__ = [
     "Fp8Linear", "Fp8Conv1D", "is_hf_conv1d", "ROLES", "probe_scaled_mm", "scaled_mm", "emulated_mm",
     "amax_f32", "current_scale", "delayed_scale", "record_amax", "cast_to_fp8", "quantize_fp8",
     "Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8", "resolve_backend",
-    "Fp8Config", "Fp8Scaling", "Fp8LayerStats", "Fp8TensorStats", "fp8_layer_stats", "count_fp8_ranges",
+    "Fp8Config", "Fp8Scaling", "BlockedRecipe", "blocked_recipe",
+    "Fp8LayerStats", "Fp8TensorStats", "fp8_layer_stats", "count_fp8_ranges",
 ]

@@ -18,6 +18,11 @@ built before the swap keep working, and ``state_dict()`` keys are those of ``nn.
     >>> layer = Fp8Linear.from_linear(nn.Linear(32, 16), Fp8Config(), backend="emulate")
     >>> layer(torch.randn(4, 32)).shape
     torch.Size([4, 16])
+
+Blocked scalings (``fp8=rowwise | block | mxfp8 | nvfp4``: one scale per block of each GEMM operand)
+run in the same layer through ``fp8/blocked_linear.py``'s autograd function; their state is the last
+amax and the range counts per role (there is no per-tensor scale to keep), and for nvfp4 the
+stochastic-rounding seed and backward count and the random Hadamard signs.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 from ..formats import FP8_E4M3, FP8_E5M2, Format, quantize
 from ..recipe.fp8 import Fp8Config
+from .blocked_linear import BlockedLinearFn, BlockedRecipe, blocked_recipe, rht_signs
 from .fused import fused_cast
 from .matmul import emulated_mm, scaled_mm
 from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, quantize_fp8, record_amax
@@ -116,6 +122,11 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"Fp8Linear backend must be 'scaled_mm' or 'emulate', got {backend!r}")
         self.fp8_config, self.backend = config, backend
         self.count_ranges = False   # set by fp8.stats.count_fp8_ranges: exact per-cast counts
+        self.blocked: BlockedRecipe | None = None
+        if config.blocked:
+            self.blocked = blocked_recipe(config)
+            self._setup_blocked(self.blocked)
+            return
         # Eager casts through fp8/fused.py's compiled kernel (one read, one write per role): on by
         # default on CUDA with torch._scaled_mm; on CPU compiling costs more than it saves.
         self.fused_casts = backend == "scaled_mm" and self.weight.device.type == "cuda"
@@ -130,6 +141,41 @@ class Fp8Linear(nn.Linear):
             if config.delayed:
                 self.register_buffer(f"{role}_history", torch.zeros(config.history, device=device),
                                      persistent=False)
+
+    def _setup_blocked(self, how: BlockedRecipe) -> None:
+        """Blocked scaling's state: per role the last amax and the range counts (fp8/stats.py and the
+        doctor read them; a per-tensor scale does not apply); nvfp4's noise seed, backward count, signs."""
+        self.fused_casts = False
+        device = self.weight.device
+        for role in ROLES:
+            self.register_buffer(f"{role}_amax", torch.zeros((), device=device), persistent=False)
+            self.register_buffer(f"{role}_counts", torch.zeros(3, dtype=torch.int64, device=device),
+                                 persistent=False)
+        if how.sr:
+            # The stochastic rounding's noise is a hash of (seed, backwards taken, position): the two
+            # int64 are its whole state, so a resumed run rounds as the uninterrupted one.
+            self.register_buffer("sr_seed", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+            self.register_buffer("sr_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        if how.rht:
+            self.register_buffer("rht_signs", rht_signs(0).to(device), persistent=False)
+
+    def reseed(self, seed: int) -> None:
+        """Set nvfp4's per-layer randomness from ``seed`` (the swap passes a hash of the layer's name):
+        the stochastic-rounding noise and the Hadamard signs. A no-op for other scalings."""
+        if hasattr(self, "sr_seed"):
+            self.sr_seed.fill_(seed % 2**32)
+        if hasattr(self, "rht_signs"):
+            self.rht_signs.copy_(rht_signs(seed))
+
+    def fp8_formats(self) -> dict[str, Format]:
+        """The element format of each role: ``ROLES`` per tensor; the blocked recipe's otherwise."""
+        return self.blocked.formats if self.blocked is not None else dict(ROLES)
+
+    def _record_blocked(self, role: str, amax: torch.Tensor, counts: torch.Tensor | None) -> None:
+        """Enter one blocked cast: its tensor's amax, and its range counts when counted."""
+        getattr(self, f"{role}_amax").copy_(amax)
+        if counts is not None:
+            getattr(self, f"{role}_counts").add_(counts)
 
     # ------------------------------------------------------------------------------- numerics
     def _scale(self, role: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +251,9 @@ class Fp8Linear(nn.Linear):
         out_dtype = torch.get_autocast_dtype(device_type) if autocast_on else x.dtype
         record = self.training and torch.is_grad_enabled()
         x2d = x.reshape(-1, self.in_features)                        # (M, K)
+        fn = _Fp8LinearFn if self.blocked is None else BlockedLinearFn
         with torch.autocast(device_type, enabled=False):             # the emulation's fp32 mm stays fp32
-            out = _Fp8LinearFn.apply(x2d, self._weight_out_in(), self, out_dtype, record)   # (M, N)
+            out = fn.apply(x2d, self._weight_out_in(), self, out_dtype, record)             # (M, N)
         out = out.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

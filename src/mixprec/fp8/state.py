@@ -1,5 +1,9 @@
 """fp8 scale state of a whole model: collected per layer for checkpoints, restored bit for bit.
 
+Per layer it is whatever ``Fp8Linear.fp8_state()`` holds: per-tensor scaling's scales, amaxes,
+histories and range counts; a blocked layer's amaxes and range counts, and for nvfp4 the stochastic
+rounding's seed and backward count and the Hadamard signs (so a resumed run draws the same noise).
+
     state = fp8_state_dict(model)        # {"blocks.0.mlp.c_fc": {"input_scale": ..., ...}, ...}
     load_fp8_state_dict(model, state)    # ValueError if layers or shapes do not match
 """

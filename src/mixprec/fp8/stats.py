@@ -13,6 +13,13 @@ flushed to zero and how many saturated (a few extra element-wise passes, so it i
         print(layer.name, [(t.role, t.headroom_bits, t.saturated_fraction) for t in layer.tensors])
 
 ``mixprec doctor`` can call ``fp8_layer_stats``; it is typed data, rendered elsewhere.
+
+Blocked layers (``fp8=rowwise | block | mxfp8 | nvfp4``) have a scale per block, not per tensor. Their
+stats keep the same fields, read so: ``amax`` is the tensor's, ``format`` its element format (e.g.
+``fp4_e2m1``), ``scale`` the one the block scale rule gives the block that holds the amax (its
+headroom is then the rule's own: 0 bits for fp32 scales, 0 to 1 for power-of-two ones, within an
+e4m3 rounding of 0 for nvfp4) and ``flush_below`` that block's threshold (every other block has its
+own, lower one); the exact ``flushed_fraction``/``saturated_fraction`` count every block at its scale.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import math
 import torch
 from torch import nn
 
+from .blockscale import BlockScaling, quantize_blocked
 from .linear import ROLES
 from .state import fp8_layers
 
@@ -95,17 +103,20 @@ def fp8_layer_stats(model: nn.Module) -> tuple[Fp8LayerStats, ...]:
         for role in ROLES:
             hist = getattr(layer, f"{role}_history", None)
             counts = getattr(layer, f"{role}_counts").to(torch.float64)
+            amax = getattr(layer, f"{role}_amax")
+            nan = torch.tensor(math.nan, device=counts.device)
             rows.append(torch.cat([
-                torch.stack([getattr(layer, f"{role}_scale"), getattr(layer, f"{role}_amax"),
-                             hist.amax() if hist is not None else torch.tensor(math.nan, device=counts.device)
-                             ]).to(torch.float64), counts]))
+                torch.stack([getattr(layer, f"{role}_scale", nan), amax,   # blocked: no tensor scale
+                             hist.amax() if hist is not None else nan]).to(torch.float64), counts]))
     values = torch.stack(rows).cpu().tolist()    # the one host sync
     out, i = [], 0
     for name, layer in layers.items():
         tensors = []
-        for role, fmt in ROLES.items():
+        for role, fmt in layer.fp8_formats().items():
             scale, amax, hist_amax, flushed, saturated, total = values[i]
             i += 1
+            if layer.blocked is not None:
+                scale = _amax_block_scale(amax, layer.blocked.role(role))
             scaled = amax * scale
             if math.isnan(scaled) or scaled == 0:
                 headroom = math.nan if math.isnan(scaled) else math.inf    # NaN seen / nothing cast yet
@@ -119,3 +130,13 @@ def fp8_layer_stats(model: nn.Module) -> tuple[Fp8LayerStats, ...]:
                 saturated_fraction=saturated / total if total else None, counted=int(total)))
         out.append(Fp8LayerStats(name, layer.out_features, layer.in_features, tuple(tensors)))
     return tuple(out)
+
+
+def _amax_block_scale(amax: float, how: BlockScaling) -> float:
+    """The encode scale (``1 / decode``) the block scale rule gives a block whose amax is ``amax``:
+    that of the block holding the tensor's amax (for nvfp4 its tensor scale is this amax, too). 1.0 when
+    nothing usable was cast (amax 0, inf or NaN), as per-tensor scaling's fallback."""
+    if not (math.isfinite(amax) and amax > 0):
+        return 1.0
+    _, decode = quantize_blocked(torch.tensor([[amax]], dtype=torch.float32), how, 1)
+    return 1.0 / float(decode.reshape(-1)[0])

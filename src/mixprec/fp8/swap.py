@@ -25,12 +25,13 @@ import difflib
 import enum
 import fnmatch
 import math
+import zlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ..devices import probe_fp8_speed
+from ..devices import probe_fp8_kernel, probe_fp8_speed
 from ..recipe.fp8 import Fp8Config
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .linear import Fp8Linear
@@ -40,6 +41,11 @@ __all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport
            "resolve_backend", "check_fp8_patterns", "none_swapped_reason"]
 
 _ALIGN = 16
+# How a swapped layer's line names a blocked format (per-tensor fp8 lines keep the bare "fp8").
+_FORMAT_WORDS = {"rowwise": "rowwise e4m3, a power-of-two scale per row",
+                 "block": "block e4m3, 1x128 tiles and 128x128 weight blocks",
+                 "mxfp8": "mxfp8 e4m3, e8m0 scale per 32",
+                 "nvfp4": "nvfp4 e2m1, e4m3 scale per 16 x fp32"}
 
 
 class Fp8Reason(enum.Enum):
@@ -115,7 +121,9 @@ class Fp8SwapReport:
     def __str__(self) -> str:
         width = max([len("layer")] + [len(d.name) for d in self.layers] + [len(u.name) for u in self.uncovered])
         share = f" ({self.fp8_fraction:.0%} of the parameters)" if self.parameters else ""
-        lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} linear layers swapped{share}, backend "
+        # A blocked format's name leads the swapped layers' detail (see swap_to_fp8).
+        kind = next((" to " + d.detail.split()[0] for d in self.layers if d.swapped and d.detail), "")
+        lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} linear layers swapped{kind}{share}, backend "
                  f"{self.backend}"] + ([f"  {self.note}"] if self.note else []) + \
                 [f"  {'layer':<{width}}  {'weight (out, in)':>16}  decision"]
         for d in self.layers:
@@ -142,23 +150,30 @@ _SLOWER_THAN_EMULATION = 2.0
 def resolve_backend(config: Fp8Config, device: torch.device | str) -> tuple[str, str]:
     """``(backend, note)`` for ``device``: ``auto`` picks the faster of scaled_mm and the emulation.
 
-    ``auto``: the emulation where ``torch._scaled_mm`` cannot run; on a CPU where it runs, whichever
-    a measured probe finds faster (``devices.probe_fp8_speed``: under a millisecond, once per process);
-    on CUDA (8.9+) scaled_mm. ``backend=scaled_mm`` or ``backend=emulate`` overrides the choice;
-    ``scaled_mm`` on a device that cannot run it is a ValueError with the reason. The note names the
-    choice and why; the engine shows it once, as an ``Fp8EmulationWarning``, when the emulation runs.
+    ``auto``: the emulation where the scaling's kernel cannot run (``devices.probe_fp8_kernel``: mxfp8
+    and nvfp4 always, their kernels need Blackwell; block off Hopper); on a CPU where it runs
+    (per-tensor, rowwise), whichever a measured probe finds faster (``devices.probe_fp8_speed``: under
+    a millisecond, once per process); on CUDA (8.9+; block: 9.x) the kernel. ``backend=scaled_mm``
+    or ``backend=emulate`` overrides the choice; ``scaled_mm`` on a device that cannot run it is a
+    ValueError with the reason. The note names the choice and why; the engine shows it once, as an
+    ``Fp8EmulationWarning``, when the emulation runs.
     """
     if config.backend == "emulate":
         return "emulate", ""
-    support = probe_scaled_mm(device)
+    support = probe_fp8_kernel(config.scaling.value, device)
     if support.ok and config.backend == "scaled_mm":
         return "scaled_mm", ""
+    what = "fp8" if not config.blocked else f"fp8={config.scaling.value}"
     if not support.ok:
         if config.backend == "scaled_mm":
-            raise ValueError(f"fp8 backend=scaled_mm cannot run on {device}: {support.reason}; use "
+            raise ValueError(f"{what} backend=scaled_mm cannot run on {device}: {support.reason}; use "
                              "backend=auto or backend=emulate")
-        return "emulate", (f"fp8 is emulated on {device} (exact fp8 rounding, fp32 matmuls, no speed-up): "
+        return "emulate", (f"{what} is emulated on {device} (exact rounding, fp32 matmuls, no speed-up): "
                            f"{support.reason}")
+    if config.scaling.value == "block":
+        return "scaled_mm", ""                    # Hopper's block kernels: what fp8=block is for
+    # Per-tensor and rowwise on a CPU: the one measured probe (a per-tensor fp8 matmul; the rowwise
+    # kernel costs the same within noise: benchmarks/RESULTS.md) decides both.
     speed = probe_fp8_speed(device)
     if speed is None:
         return "scaled_mm", ""
@@ -197,10 +212,15 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
                 f"fp8 forced on {name!r}, an nn.Linear with weight shape ({out_f}, {in_f}) (out, in): fp8 "
                 f"matmuls need both dimensions to be multiples of {_ALIGN}; pad the layer (e.g. to "
                 f"({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})) or drop it from force=")
-        decisions.append(Fp8LayerDecision(name, out_f, in_f, reason, detail))
         if reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
-            replace[id(module)] = (Fp8Conv1D.from_conv1d(module, config, backend) if is_hf_conv1d(module)
-                                   else Fp8Linear.from_linear(module, config, backend))
+            layer = (Fp8Conv1D.from_conv1d(module, config, backend) if is_hf_conv1d(module)
+                     else Fp8Linear.from_linear(module, config, backend))
+            # nvfp4's noise and Hadamard signs differ layer to layer and stay the same run to run.
+            layer.reseed(zlib.crc32(name.encode()))
+            replace[id(module)] = layer
+            if config.blocked:
+                detail = _FORMAT_WORDS[config.scaling.value]      # the report names the format per layer
+        decisions.append(Fp8LayerDecision(name, out_f, in_f, reason, detail))
     uncovered = _uncovered(model, {id(m.weight) for _, m in linears})
     parameters = sum(p.numel() for p in model.parameters())     # parameters() yields a shared one once
     # Replace every reference (a module shared by two parents is swapped in both).

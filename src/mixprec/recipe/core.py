@@ -267,6 +267,11 @@ RECIPES: dict[str, Recipe] = {
     # fp8 on top of bf16 autocast: eligible linears in fp8, the rest (norms, softmax, loss) as bf16.
     "fp8": Recipe(compute=Precision.BF16, fp8=Fp8Config()),
     "fp8-delayed": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("delayed")),
+    # Blocked scalings (recipe/fp8.py, fp8/blocked_linear.py), on the same bf16 base.
+    "fp8-rowwise": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("rowwise")),
+    "fp8-block": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("block")),
+    "mxfp8": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("mxfp8")),
+    "nvfp4": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("nvfp4")),
 }
 
 _KEYS = ("params", "compute", "master", "scale", "rounding", "fp32_modules", *_OP_KEYS, "modules", "fp8",
@@ -290,7 +295,8 @@ def parse_recipe(text: str) -> Recipe:
     ``scale`` (none | static:V | dynamic[(opts)]; default dynamic for fp16 compute, else none),
     ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none),
     ``fp32_ops``/``low_ops``/``follow_ops`` (op names joined by ``+``), ``modules`` (``PATTERN:PRECISION``
-    joined by ``+``), ``fp8`` (``current`` | ``delayed``, with options: see ``Fp8Config``; default none),
+    joined by ``+``), ``fp8`` (``current`` | ``delayed`` | ``rowwise`` | ``block`` | ``mxfp8`` | ``nvfp4``,
+    with options: see ``Fp8Config``; default none),
     ``moments`` (fp32|bf16|bf16-sr|fp8: Adam's moments, see ``recipe/moments.py``; default fp32),
     ``saved`` (fp32|exact|low: fp32 activations saved in 16 bits, see ``saved16``; default fp32: as autograd saves them).
     A named recipe may lead, and the keys after it change it: ``bf16,fp32_ops=softmax`` is bf16 with

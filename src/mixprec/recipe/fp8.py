@@ -1,15 +1,32 @@
 """The fp8 part of a recipe: how fp8 linears scale their tensors and which layers become fp8.
 
-A recipe with ``fp8=...`` runs eligible ``nn.Linear`` layers as fp8 matmuls (inputs and weights in
-e4m3, output gradients in e5m2, one fp32 scale per tensor); everything else runs as the rest of the
-recipe says (bf16 autocast for the named ``fp8`` and ``fp8-delayed``). The value is one word with
-optional options, and ``str()`` prints it back::
+A recipe with ``fp8=...`` runs eligible ``nn.Linear`` layers as low-precision matmuls; everything
+else runs as the rest of the recipe says (bf16 autocast for the named ``fp8``, ``fp8-delayed``,
+``fp8-rowwise``, ``fp8-block``, ``mxfp8`` and ``nvfp4``). The value is one word with optional
+options, and ``str()`` prints it back::
 
     >>> cfg = Fp8Config.parse("delayed(history=4,amax=recent,pow2=true,skip=lm_head+*.c_proj)")
     >>> str(cfg)
     'delayed(history=4,amax=recent,pow2=true,skip=lm_head+*.c_proj)'
     >>> str(Fp8Config())
     'current'
+    >>> str(Fp8Config.parse("nvfp4(sr=true,rht=false)"))       # sr=true is nvfp4's default
+    'nvfp4(rht=false)'
+
+Two families. **Per tensor** (``current``, ``delayed``): inputs and weights in e4m3, output gradients
+in e5m2, one fp32 scale per tensor. **Blocked** (``fp8/blocked_linear.py``): one scale per block of
+each GEMM operand, blocks laid along that GEMM's contraction dimension, so an outlier costs the
+precision of its own block only:
+
+    rowwise   e4m3 everywhere, one power-of-two fp32 scale per row of each operand
+    block     e4m3 everywhere, fp32 scales: 1x128 tiles of activations and gradients, 128x128 weight blocks
+    mxfp8     e4m3 in 32-element blocks with e8m0 (power-of-two) scales (OCP MX)
+    nvfp4     e2m1 (4-bit) in 16-element blocks, e4m3 block scales times an fp32 tensor scale,
+              16x16 weight tiles; ``sr``: stochastic rounding of the gradients, ``rht``: a random
+              Hadamard transform on both inputs of the weight-gradient GEMM (both on by default)
+
+A blocked scaling fixes its own scales: ``history``, ``amax``, ``margin`` and ``pow2`` apply to the
+per-tensor ones, ``sr`` and ``rht`` to nvfp4; elsewhere they are an error that says so.
 
 Scaling, for a tensor ``x`` cast to format F (max 448 for e4m3, 57344 for e5m2)::
 
@@ -31,10 +48,28 @@ __all__ = ["Fp8Scaling", "Fp8Config", "AmaxAlgorithm", "Fp8Backend"]
 
 
 class Fp8Scaling(enum.Enum):
-    """Where a per-tensor fp8 scale comes from."""
+    """Where the scales of an fp8 linear come from: one per tensor, or one per block of each operand."""
 
     CURRENT = "current"   # amax of this tensor now: one extra read of it per cast
     DELAYED = "delayed"   # amax history of earlier casts (Transformer Engine's default recipe)
+    ROWWISE = "rowwise"   # e4m3, a power-of-two scale per row along the contraction dim (torchao rowwise)
+    BLOCK = "block"       # e4m3, 1x128 activation/gradient tiles, 128x128 weight blocks (DeepSeek-V3)
+    MXFP8 = "mxfp8"       # e4m3, 32-element blocks, e8m0 scales (OCP MX)
+    NVFP4 = "nvfp4"       # e2m1, 16-element blocks, e4m3 scales x an fp32 tensor scale; SR and RHT
+
+    @property
+    def blocked(self) -> bool:
+        """True for the scalings with one scale per block (fp8/blocked_linear.py), not per tensor."""
+        return self not in (Fp8Scaling.CURRENT, Fp8Scaling.DELAYED)
+
+
+# What each blocked scaling fixes, for the errors that refuse a per-tensor option on it.
+_BLOCKED_SCALES = {
+    Fp8Scaling.ROWWISE: "one power-of-two fp32 scale per row",
+    Fp8Scaling.BLOCK: "fp32 scales per 1x128 tile and 128x128 weight block",
+    Fp8Scaling.MXFP8: "e8m0 scales per 32 elements",
+    Fp8Scaling.NVFP4: "e4m3 scales per 16 elements times an fp32 tensor scale",
+}
 
 
 class AmaxAlgorithm(str, enum.Enum):
@@ -59,10 +94,12 @@ class Fp8Config:
     """How fp8 linears scale, and which ``nn.Linear`` layers are swapped for them.
 
     ``history`` (delayed only): how many earlier amaxes are kept; ``amax`` (delayed only): ``max`` of
-    the history or the most ``recent`` entry; ``margin``: scale down by ``2**margin`` to leave headroom;
-    ``pow2``: round scales down to powers of two. Layer selection: ``skip`` (qualified-name globs left
-    in the base recipe), ``skip_first``/``skip_last`` (the model's first/last ``nn.Linear`` in module
-    order), ``force`` (exact names that must become fp8: an error if one cannot). ``backend``:
+    the history or the most ``recent`` entry; ``margin`` (per-tensor only): scale down by ``2**margin``
+    to leave headroom; ``pow2`` (per-tensor only): round scales down to powers of two. ``sr`` and
+    ``rht`` (nvfp4 only, ``None`` elsewhere; True unless set): stochastic rounding of the gradient
+    operands, random Hadamard transform of the weight-gradient GEMM's inputs. Layer selection:
+    ``skip`` (qualified-name globs left in the base recipe), ``skip_first``/``skip_last`` (the model's
+    first/last ``nn.Linear`` in module order), ``force`` (exact names that must become fp8: an error if one cannot). ``backend``:
     ``scaled_mm`` (``torch._scaled_mm``), ``emulate`` (``formats.quantize`` then an fp32 matmul) or
     ``auto`` (the faster of the two: scaled_mm on CUDA 8.9+, measured once per process on a CPU;
     the emulation where scaled_mm cannot run; a notice says when the emulation was chosen, and why).
@@ -73,6 +110,8 @@ class Fp8Config:
     amax: AmaxAlgorithm = AmaxAlgorithm.MAX
     margin: int = 0
     pow2: bool = False
+    sr: bool | None = None      # nvfp4 only: None becomes True there (see __post_init__)
+    rht: bool | None = None     # nvfp4 only: likewise
     skip: tuple[str, ...] = ()
     skip_first: bool = False
     skip_last: bool = False
@@ -94,9 +133,10 @@ class Fp8Config:
             if getattr(self, name) not in tuple(kind):
                 raise ValueError(f"unknown fp8 {name} {getattr(self, name)!r}; valid values: "
                                  f"{', '.join(k.value for k in kind)}")
-        if self.scaling is Fp8Scaling.CURRENT and (self.history != 16 or self.amax != "max"):
+        if not self.delayed and (self.history != 16 or self.amax != "max"):
             raise ValueError("fp8 history and amax apply to delayed scaling; write "
                              "fp8=delayed(history=..,amax=..) or drop them")
+        self._check_blocked_options()
         clash = set(self.skip) & set(self.force)
         if clash:
             raise ValueError(f"fp8 layers {sorted(clash)} are both skipped and forced; keep one")
@@ -104,9 +144,34 @@ class Fp8Config:
             if not word or any(c in word for c in "+,()="):
                 raise ValueError(f"fp8 layer name {word!r} is empty or holds one of + , ( ) =")
 
+    def _check_blocked_options(self) -> None:
+        """Per-tensor options on a blocked scaling and nvfp4's options elsewhere are errors; nvfp4's
+        ``sr``/``rht`` left ``None`` become True (so ``nvfp4`` and ``nvfp4(sr=true)`` compare equal)."""
+        name = self.scaling.value
+        if self.scaling.blocked and (self.margin != 0 or self.pow2):
+            raise ValueError(f"fp8 margin and pow2 apply to per-tensor scaling (current, delayed); {name} "
+                             f"fixes its own scales ({_BLOCKED_SCALES[self.scaling]}): drop them")
+        for key in ("sr", "rht"):
+            value = getattr(self, key)
+            if self.scaling is Fp8Scaling.NVFP4:
+                if value is None:
+                    object.__setattr__(self, key, True)     # frozen: the one assignment, here
+                elif not isinstance(value, bool):
+                    raise TypeError(f"fp8 {key} must be True or False, got {value!r}")
+            elif value is not None:
+                what = ("stochastic rounding of the gradients" if key == "sr" else
+                        "a random Hadamard transform on the weight gradient's GEMM")
+                raise ValueError(f"fp8 {key} ({what}) applies to nvfp4 only, not to {name}; write "
+                                 f"fp8=nvfp4({key}=...) or drop it")
+
     @property
     def delayed(self) -> bool:
         return self.scaling is Fp8Scaling.DELAYED
+
+    @property
+    def blocked(self) -> bool:
+        """True for ``rowwise``, ``block``, ``mxfp8`` and ``nvfp4``: scales per block, not per tensor."""
+        return self.scaling.blocked
 
     def __str__(self) -> str:
         default = Fp8Config(scaling=self.scaling)
@@ -126,13 +191,18 @@ class Fp8Config:
 
     @classmethod
     def parse(cls, text: str) -> Fp8Config:
-        """``current`` | ``delayed`` | either with ``(key=value,...)``; unknown words list valid ones."""
+        """A scaling word (``current``, ``delayed``, ``rowwise``, ``block``, ``mxfp8``, ``nvfp4``), optionally
+        with ``(key=value,...)``; unknown words list the valid ones."""
+        if not isinstance(text, str):
+            raise TypeError(f"an fp8 scaling is spelled as a string (e.g. 'delayed(history=16)'), got "
+                            f"{type(text).__name__}")
         text = text.strip()
         m = re.fullmatch(r"(\w+)(?:\((.*)\))?", text)
         scalings = ", ".join(s.value for s in Fp8Scaling)
         if not m or m.group(1) not in {s.value for s in Fp8Scaling}:
             raise ValueError(f"unknown fp8 scaling {text!r}; valid values: {scalings}, each optionally "
-                             "with options, e.g. fp8=delayed(history=16,amax=max,margin=0,pow2=true)")
+                             "with options, e.g. fp8=delayed(history=16,amax=max,margin=0,pow2=true) or "
+                             "fp8=nvfp4(sr=true,rht=false)")
         kwargs: dict[str, object] = {"scaling": Fp8Scaling(m.group(1))}
         names = [f.name for f in dataclasses.fields(cls) if f.name != "scaling"]
         for item in filter(None, (s.strip() for s in (m.group(2) or "").split(","))):
@@ -146,7 +216,7 @@ class Fp8Config:
                     kwargs[key] = int(value)
                 except ValueError:
                     raise ValueError(f"fp8 {key} must be an integer, got {value!r}") from None
-            elif key in ("pow2", "skip_first", "skip_last"):
+            elif key in ("pow2", "sr", "rht", "skip_first", "skip_last"):
                 if value.lower() not in _BOOL_WORDS:
                     raise ValueError(f"fp8 {key} must be true or false, got {value!r}")
                 kwargs[key] = _BOOL_WORDS[value.lower()]

@@ -1,0 +1,146 @@
+"""SQNR of every fp8/fp4 format's linear against the bf16 ``nn.Linear``, on random normal data.
+
+x ~ N(0, 1) of shape (512, 1024), W as ``nn.Linear(1024, 1024)`` initialises it, upstream gradient
+g ~ N(0, 1). The reference is the same ``nn.Linear`` under bf16 autocast; each format runs as an
+``Fp8Linear`` holding the very same Parameters, under the same autocast, emulated (exact rounding,
+fp32 matmuls: the numbers a kernel would give, to within fp32 summation order). Every layer first
+runs forward and backward on two other batches (delayed scaling then has a history that is not
+this batch's own; nvfp4's stochastic rounding has advanced). SQNR in dB = 10 log10(|ref|^2 /
+|ref - fmt|^2) of the output, the input gradient and the weight gradient.
+
+The issue's goals: rowwise and block >= per-tensor current; mxfp8 >= 25 dB; nvfp4 >= 10 dB.
+
+``--step``: also time one eager training step of the lab's gpt per recipe (bf16, fp8, fp8-rowwise,
+fp8-block, mxfp8, nvfp4), interleaved so drift in clock or load hits them alike, medians of ``--reps``;
+each fp8 recipe runs the backend ``auto`` picks on this device (printed).
+
+Usage: python benchmarks/fp8_formats_sqnr.py [--seeds 3] [--step [--reps 10] [--threads 1]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+import warnings
+
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import Fp8Config
+from mixprec.fp8 import Fp8Linear
+from mixprec.lab.workloads import get_workload
+
+FORMATS = {
+    "current": "current", "delayed": "delayed", "rowwise": "rowwise", "block": "block", "mxfp8": "mxfp8",
+    "nvfp4": "nvfp4", "nvfp4 (no rht)": "nvfp4(rht=false)", "nvfp4 (no sr)": "nvfp4(sr=false)",
+    "nvfp4 (no sr, no rht)": "nvfp4(sr=false,rht=false)",
+}
+GOALS = {"mxfp8": 25.0, "nvfp4": 10.0}
+STEP_RECIPES = ("bf16", "fp8", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    noise = (ref - x).pow(2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
+
+
+def fwd_bwd(layer: nn.Module, weight: nn.Parameter, x: torch.Tensor, g: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = x.detach().clone().requires_grad_(True)
+    weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    out.backward(g.to(out.dtype))
+    return out.detach().float(), x.grad.float(), weight.grad.float()
+
+
+def measure(seed: int) -> dict[str, tuple[float, float, float]]:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    linear = nn.Linear(1024, 1024)
+    batches = [(torch.randn(512, 1024, generator=gen), torch.randn(512, 1024, generator=gen)) for _ in range(3)]
+    *warmup, (x, g) = batches
+    ref = fwd_bwd(linear, linear.weight, x, g)
+    out = {}
+    for name, spec in FORMATS.items():
+        layer = Fp8Linear.from_linear(linear, Fp8Config.parse(spec), "emulate")
+        layer.reseed(seed)
+        for wx, wg in warmup:
+            fwd_bwd(layer, linear.weight, wx, wg)
+        got = fwd_bwd(layer, linear.weight, x, g)
+        out[name] = tuple(sqnr_db(r, o) for r, o in zip(ref, got))
+    return out
+
+
+def time_gpt_steps(reps: int) -> None:
+    """Median eager training step of the lab's gpt per recipe, interleaved."""
+    gpt = get_workload("gpt")
+    data = gpt.load_data()
+    x, y = data.x_train[:gpt.batch_size], data.y_train[:gpt.batch_size]
+    steps, backends = {}, {}
+    for recipe in STEP_RECIPES:
+        torch.manual_seed(0)
+        model = gpt.build_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")      # the emulation notice: expected here
+            mp = mixprec.MixedPrecision(model, gpt.make_optimizer(model.parameters()), recipe)
+        backends[recipe] = mp.fp8_report.backend if mp.fp8_report else ""
+
+        def step(mp=mp, model=model) -> None:
+            with mp.autocast():
+                loss = gpt.loss_fn(model(x), y)
+            mp.backward(loss)
+            mp.step()
+            mp.zero_grad()
+        steps[recipe] = step
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(2):                                   # warm-up
+        for fn in steps.values():
+            fn()
+    for _ in range(reps):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    print(f"lab gpt, batch {gpt.batch_size}, {reps} interleaved eager steps, {torch.get_num_threads()} "
+          f"thread(s), medians")
+    for name, t in medians.items():
+        print(f"  {name:12s} {t * 1e3:8.2f} ms  {t / medians['bf16']:5.2f}x bf16  {backends[name]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=1, help="seeds to average over (default 1)")
+    parser.add_argument("--step", action="store_true", help="also time a gpt training step per recipe")
+    parser.add_argument("--reps", type=int, default=10, help="timed steps per recipe (with --step)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave as is)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runs = [measure(seed) for seed in range(args.seeds)]
+    print(f"SQNR (dB) against bf16 nn.Linear, x (512, 1024) ~ N(0,1), W nn.Linear(1024, 1024) init, g ~ N(0,1); "
+          f"mean of {args.seeds} seed(s); torch {torch.__version__}, emulated")
+    print(f"  {'format':<24} {'output':>7} {'grad_x':>7} {'grad_W':>7}")
+    for name in FORMATS:
+        mean = [sum(r[name][i] for r in runs) / len(runs) for i in range(3)]
+        print(f"  {name:<24} {mean[0]:7.2f} {mean[1]:7.2f} {mean[2]:7.2f}")
+    current = [sum(r["current"][i] for r in runs) / len(runs) for i in range(3)]
+    verdicts = []
+    for name in ("rowwise", "block"):
+        mean = [sum(r[name][i] for r in runs) / len(runs) for i in range(3)]
+        verdicts.append(f"{name} >= current: {all(m >= c for m, c in zip(mean, current))}")
+    for name, floor in GOALS.items():
+        mean = [sum(r[name][i] for r in runs) / len(runs) for i in range(3)]
+        verdicts.append(f"{name} >= {floor:g} dB: {min(mean) >= floor}")
+    print("goals: " + "; ".join(verdicts))
+    if args.step:
+        time_gpt_steps(args.reps)
+
+
+if __name__ == "__main__":
+    main()
