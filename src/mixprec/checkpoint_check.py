@@ -124,6 +124,8 @@ def _check_master(master: Any, saved: Any) -> None:
     generator = saved.get("generator")
     if master.generator is not None and generator is not None:
         master.generator.check_state(generator)    # RoundingNoise's state: 3 int64, in range
+    if master.kahan is not None:
+        master.kahan.check_state(saved.get("compensation"))   # bf16-kahan: int16, one per weight, its shape
 
 
 def _shapes_by_param(engine: Any) -> dict[int, torch.Size]:

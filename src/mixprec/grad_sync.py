@@ -144,6 +144,9 @@ def _check_fsdp_recipe(model: nn.Module, recipe: Recipe) -> None:
     if recipe.rounding is Rounding.STOCHASTIC:
         raise ValueError("bf16-sr (stochastic rounding, no master copy) is not supported under FSDP2 yet: "
                          "use bf16-pure, whose sharded fp32 master costs 4 B/param divided by the ranks")
+    if recipe.rounding is Rounding.KAHAN:
+        raise ValueError("bf16-kahan (bf16 weights + compensations, no master copy) is not supported under "
+                         "FSDP2 yet: use bf16-pure, whose sharded fp32 master costs 4 B/param divided by the ranks")
     sharded_as = getattr(model, _FSDP_RECIPE_ATTR, None)
     if recipe.param.is_low and sharded_as != str(recipe):
         raise ValueError(

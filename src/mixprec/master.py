@@ -11,6 +11,9 @@ Two lifetimes, one mechanism:
 - ``keep=False`` (bf16-sr): the copy lives only during the step, made from the bf16 weights and
   rounded back *stochastically*, so an update below half an ulp survives in expectation. The optimizer
   state stays fp32; no master copy is held.
+- ``keep=False, rounding=KAHAN`` (bf16-kahan): the transient copy is the bf16 weight joined with a
+  16-bit compensation kept per weight, and split back into the two after the step: the fp32 value
+  exactly, at 2 + 2 B/param (``kahan.py``).
 
 No fp32 gradient is held between steps (the usual 16 B/param with Adam: 2 weights + 2 gradients + 4
 master + 8 moments). ``step`` walks the optimizer's tensors in chunks of at most ``chunk_bytes`` of fp32
@@ -58,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .kahan import KahanCompensation
 from .recipe import Rounding
 from .stochastic_rounding import RoundingNoise, stochastic_round_bf16_
 
@@ -103,9 +107,10 @@ class MasterWeights:
         if not (isinstance(chunk_bytes, int) and chunk_bytes > 0):
             raise ValueError(f"chunk_bytes must be a positive int (bytes of fp32 transients per optimizer "
                              f"call, e.g. {DEFAULT_CHUNK_BYTES}), got {chunk_bytes!r}")
-        if keep and rounding is Rounding.STOCHASTIC:
-            raise ValueError("stochastic rounding is for weights without a master copy (keep=False, "
-                             "recipe bf16-sr); with a master copy the weights are its nearest rounding")
+        if keep and rounding is not Rounding.NEAREST:
+            raise ValueError(f"rounding={rounding.value} is for weights without a master copy (keep=False, "
+                             "recipe bf16-sr or bf16-kahan); with a master copy the weights are its nearest "
+                             "rounding")
         self.model_params = list(params)
         devices = {p.device for p in self.model_params}
         if len(devices) > 1:
@@ -148,6 +153,8 @@ class MasterWeights:
         self.generator: RoundingNoise | None = None
         if rounding is Rounding.STOCHASTIC:
             self.generator = RoundingNoise(seed, total, self.device)
+        # bf16-kahan: the compensations, from the fp32 weights (which it sets to their bf16 rounding).
+        self.kahan = KahanCompensation(self.model_params, self._start, total) if rounding is Rounding.KAHAN else None
         if not keep:
             self._release(range(len(self.masters)))
 
@@ -209,6 +216,8 @@ class MasterWeights:
                                                                           device=self.device)
             weights = _views(flat[:n], params)
             torch._foreach_copy_(weights, params)    # bf16 -> fp32: exact
+            if self.kahan is not None:               # + the compensations: the fp32 values, exactly
+                self.kahan.join_(flat[:n], which, self._runs(which))
             for m, w in zip(masters, weights):
                 m.data = w
             slots = dict(zip(map(id, params), _views(flat[n:], params)))
@@ -363,8 +372,11 @@ class MasterWeights:
         if not which:
             return
         targets = [self.model_params[i].data for i in which]
-        if self.generator is None:
+        if self.generator is None and self.kahan is None:
             torch._foreach_copy_(targets, [self.masters[i] for i in which])   # round to nearest even
+        elif self.kahan is not None:     # nearest (ties away), the rest kept as compensations
+            rounded = self.kahan.split_(self._pulled_weights(which), self._runs(which))
+            torch._foreach_copy_(targets, _views(rounded, targets))
         else:
             flat = self._pulled_weights(which)
             for offset, start, length in self._runs(which):
@@ -412,8 +424,11 @@ class MasterWeights:
         self._pulled = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"masters": [m.detach().clone() for m in self.masters] if self.keep else None,
-                "generator": self.generator.get_state() if self.generator is not None else None}
+        state = {"masters": [m.detach().clone() for m in self.masters] if self.keep else None,
+                 "generator": self.generator.get_state() if self.generator is not None else None}
+        if self.kahan is not None:
+            state["compensation"] = self.kahan.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output; everything is checked before anything is written."""
@@ -430,8 +445,12 @@ class MasterWeights:
         noise = state.get("generator")
         if self.generator is not None and noise is not None:
             self.generator.check_state(noise)
+        if self.kahan is not None:
+            self.kahan.check_state(state.get("compensation"))
         if self.keep:
             for m, saved in zip(self.masters, masters):
                 m.data.copy_(saved)
         if self.generator is not None and noise is not None:
             self.generator.set_state(noise)
+        if self.kahan is not None:
+            self.kahan.load_state_dict(state["compensation"])

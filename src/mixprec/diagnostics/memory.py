@@ -81,7 +81,9 @@ def state_bytes(engine) -> MemoryBreakdown:
     return MemoryBreakdown(
         params=storage_bytes(params),
         grads=storage_bytes(grads),
-        master=storage_bytes(masters) if engine.master is not None and engine.master.keep else 0,
+        master=(storage_bytes(masters) if engine.master is not None and engine.master.keep
+                else storage_bytes([kahan.comp]) if (kahan := getattr(engine.master, "kahan", None)) is not None
+                else 0),      # bf16-kahan: the 16-bit compensations are its master copy's other half
         optimizer=storage_bytes(state),
     )
 

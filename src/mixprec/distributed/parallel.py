@@ -58,7 +58,7 @@ def shard_model(model: nn.Module, recipe: str | Recipe, *, mesh: Any = None,
     from torch.distributed.fsdp import fully_shard
 
     recipe = get_recipe(recipe)
-    if recipe.rounding is Rounding.STOCHASTIC:
+    if recipe.rounding is not Rounding.NEAREST:      # bf16-sr, bf16-kahan: refused, with the reason
         _check_fsdp_recipe(model, recipe)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh

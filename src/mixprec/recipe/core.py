@@ -79,6 +79,7 @@ class Rounding(enum.Enum):
 
     NEAREST = "nearest"
     STOCHASTIC = "stochastic"   # unbiased: E[round(x)] == x, so small updates survive on average
+    KAHAN = "kahan"             # nearest, the rounding error kept in a 16-bit compensation (kahan.py)
 
 
 
@@ -185,11 +186,11 @@ class Recipe:
         if self.param.is_low and self.compute is not self.param:
             raise ValueError(f"params={self.param.value} needs compute={self.param.value}: low-precision "
                              "weights are multiplied in their own dtype")
-        if self.rounding is Rounding.STOCHASTIC and (self.master is not None or not self.param.is_low):
-            raise ValueError("rounding=stochastic applies to fp16/bf16 weights without a master copy "
-                             "(master=none)")
-        if self.rounding is Rounding.STOCHASTIC and self.param is not Precision.BF16:
-            raise ValueError("rounding=stochastic is implemented for bf16 weights only (params=bf16)")
+        if self.rounding is not Rounding.NEAREST and (self.master is not None or not self.param.is_low):
+            raise ValueError(f"rounding={self.rounding.value} applies to fp16/bf16 weights without a master "
+                             "copy (master=none)")
+        if self.rounding is not Rounding.NEAREST and self.param is not Precision.BF16:
+            raise ValueError(f"rounding={self.rounding.value} is implemented for bf16 weights only (params=bf16)")
 
     def _check_op_lists_and_modules(self) -> None:
         seen: dict[str, str] = {}
@@ -264,6 +265,8 @@ RECIPES: dict[str, Recipe] = {
                         loss_scale=_FP16_DYNAMIC),
     "bf16-pure": Recipe(param=Precision.BF16, compute=Precision.BF16, master=Precision.FP32),
     "bf16-sr": Recipe(param=Precision.BF16, compute=Precision.BF16, rounding=Rounding.STOCHASTIC),
+    # bf16 weights + int16 compensations: the fp32 value exactly, at 4 B/param (kahan.py).
+    "bf16-kahan": Recipe(param=Precision.BF16, compute=Precision.BF16, rounding=Rounding.KAHAN),
     # fp8 on top of bf16 autocast: eligible linears in fp8, the rest (norms, softmax, loss) as bf16.
     "fp8": Recipe(compute=Precision.BF16, fp8=Fp8Config()),
     "fp8-delayed": Recipe(compute=Precision.BF16, fp8=Fp8Config.parse("delayed")),
@@ -293,7 +296,7 @@ def parse_recipe(text: str) -> Recipe:
 
     Keys: ``params``, ``compute`` (defaults to params), ``master`` (fp32|none, default none),
     ``scale`` (none | static:V | dynamic[(opts)]; default dynamic for fp16 compute, else none),
-    ``rounding`` (nearest|stochastic), ``fp32_modules`` (class names joined by ``+``, or none),
+    ``rounding`` (nearest|stochastic|kahan), ``fp32_modules`` (class names joined by ``+``, or none),
     ``fp32_ops``/``low_ops``/``follow_ops`` (op names joined by ``+``), ``modules`` (``PATTERN:PRECISION``
     joined by ``+``), ``fp8`` (``current`` | ``delayed`` | ``rowwise`` | ``block`` | ``mxfp8`` | ``nvfp4``,
     with options: see ``Fp8Config``; default none),
@@ -351,7 +354,7 @@ def parse_recipe(text: str) -> Recipe:
     if (param.is_low and "master" not in fields and rounding is Rounding.NEAREST):
         raise ValueError(f"params={param.value} without a master copy loses every update smaller than "
                          f"half an ulp of the weight; add master=fp32 (fp32 copies take the step), "
-                         + ("rounding=stochastic, " if param is Precision.BF16 else "")
+                         + ("rounding=stochastic, rounding=kahan, " if param is Precision.BF16 else "")
                          + "or spell master=none to accept that")
     return recipe
 

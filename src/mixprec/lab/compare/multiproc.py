@@ -60,7 +60,7 @@ def check_parallel(workload: Workload, recipes: tuple[Recipe, ...], device: torc
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--nproc runs on cpu (gloo) or cuda (nccl), not {device.type}")
     if parallel == "fsdp":
-        sr = [r.label for r in recipes if r.rounding is Rounding.STOCHASTIC]
+        sr = [r.label for r in recipes if r.rounding is not Rounding.NEAREST]    # bf16-sr, bf16-kahan
         if sr:
             raise ValueError(f"recipe {sr[0]!r} is not supported under FSDP2 yet; use --parallel ddp, "
                              "or bf16-pure")
