@@ -251,6 +251,34 @@ def test_engine_load_state_dict_is_all_or_nothing():
     assert_same(before, snapshot(other, None))               # the loss scale was not loaded either
 
 
+def test_engine_load_state_dict_of_something_else_says_what_it_got():
+    mp, _ = make()
+    before = snapshot(mp, None)
+    with pytest.raises(ValueError, match=r"mixprec state is a dict without 'recipe' \(keys \['0.bias', "
+                                         r"'0.weight'.*not what mp.state_dict\(\) returns"):
+        mp.load_state_dict(mp.model.state_dict())           # the model's state, not the engine's
+    with pytest.raises(ValueError, match="mixprec state is NoneType"):
+        mp.load_state_dict(None)
+    assert_same(before, snapshot(mp, None))
+
+
+@pytest.mark.parametrize("call, flag", [
+    (lambda mp, s, path: save_checkpoint(path.with_name("new.pt"), mp, rng="no"), "rng"),
+    (lambda mp, s, path: load_checkpoint(path, mp, scheduler=s, rng="no"), "rng"),
+    (lambda mp, s, path: load_checkpoint(path, mp, scheduler=s, weights_only="no"), "weights_only"),
+    (lambda mp, s, path: load_checkpoint(path, mp, ignore_scheduler="yes"), "ignore_scheduler"),
+])
+def test_a_switch_that_is_not_a_bool_is_refused_before_anything(tmp_path, call, flag):
+    # rng="no" is truthy: the save kept the RNG states and the load restored them, against the words.
+    saved()(tmp_path / "ck.pt")
+    mp, scheduler = make(seed=5)
+    before = snapshot(mp, scheduler)
+    with pytest.raises(TypeError, match=rf"\({flag}=...\) takes True or False, got str"):
+        call(mp, scheduler, tmp_path / "ck.pt")
+    assert_same(before, snapshot(mp, scheduler))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]     # the save wrote nothing
+
+
 # ----------------------------------------------------------------------------- I/O errors
 def test_saving_onto_a_directory_names_it_and_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match="is a directory: .*give a file name") as info:

@@ -2,7 +2,6 @@
 role; torch.load on one says how to open it."""
 
 import json
-import pickle
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 
 import mixprec
 from mixprec import CheckpointError, MixedPrecision, read_checkpoint, save_checkpoint
-from mixprec.checkpoint import _MAGIC
+from mixprec.checkpoint import _MAGIC, read_verified, write_verified
 
 from conftest import batches, tiny_model
 
@@ -59,15 +58,47 @@ def test_a_recipe_without_a_loss_scale_shows_none(tmp_path):
 
 @pytest.mark.parametrize("weights_only", [True, False])
 def test_torch_load_on_a_checkpoint_says_how_to_open_it(tmp_path, weights_only):
+    # Was "UnpicklingError: ... Unsupported operand 80". torch.load meets the header's global first and runs
+    # it: with weights_only=False as any global, with torch's default weights_only=True because mixprec
+    # allowlists it (it only raises). Before that, weights_only=True stopped at the global's name, at the
+    # end of torch's own long message.
     path = saved(tmp_path, steps=1)
-    # Was "UnpicklingError: ... Unsupported operand 80". weights_only=True stops at the header's global,
-    # whose name is the way in; weights_only=False (or allowlisting it) runs it and gets the full message.
-    with pytest.raises((pickle.UnpicklingError, CheckpointError), match="use_mixprec_read_checkpoint"
-                       if weights_only else r"mixprec.read_checkpoint\(path\).*mixprec ckpt show"):
+    with pytest.raises(CheckpointError, match=r"torch.load cannot read it. Open it with "
+                                              r"mixprec.read_checkpoint\(path\).*mixprec ckpt show"):
         torch.load(path, weights_only=weights_only)
-    with torch.serialization.safe_globals([mixprec.checkpoint.use_mixprec_read_checkpoint]):
-        with pytest.raises(CheckpointError, match=r"torch.load cannot read it. Open it with mixprec.read_checkpoint"):
-            torch.load(path, weights_only=True)
+    assert mixprec.checkpoint.use_mixprec_read_checkpoint in torch.serialization.get_safe_globals()
+
+
+def test_torch_load_where_mixprec_was_never_imported_still_names_the_way_in(tmp_path):
+    path = saved(tmp_path, steps=1)
+    proc = subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(path)!r})"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "use_mixprec_read_checkpoint" in proc.stderr
+
+
+def _rewritten(path, edit):
+    state = read_verified(path, torch.device("cpu"))
+    edit(state)
+    write_verified(path, state)
+    return path
+
+
+def test_wrong_arguments_and_crafted_parts_are_named_not_tracebacks(tmp_path):
+    with pytest.raises(TypeError, match=r"read_checkpoint needs a file path .* got NoneType"):
+        read_checkpoint(None)                       # was pathlib's "expected str, bytes or os.PathLike"
+    path = saved(tmp_path, steps=1)
+    with pytest.raises(TypeError, match=r"weights_only=...\) takes True or False, got 'no'"):
+        read_checkpoint(path, weights_only="no")    # was taken as True
+    # A checksummed payload whose loss scale is a list was an AttributeError; a mixprec part that is a list
+    # was summed up as recipe 'unknown'.
+    with pytest.raises(CheckpointError, match="payload's loss scale part is list, not the dict"):
+        read_checkpoint(_rewritten(path, lambda s: s["mixprec"].__setitem__("loss_scale", [1])))
+    with pytest.raises(CheckpointError, match="payload's mixprec part is list, not the dict"):
+        read_checkpoint(_rewritten(saved(tmp_path, steps=1), lambda s: s.__setitem__("mixprec", [1])))
+    # A count that is not one number (it was "a Tensor with 3 elements cannot be converted") is left out.
+    info = read_checkpoint(_rewritten(saved(tmp_path, steps=1),
+                                      lambda s: s["mixprec"]["loss_scale"].__setitem__("steps", torch.zeros(3))))
+    assert info.steps is None and info.skipped == 0 and info.loss_scale == 2.0**16
 
 
 def test_a_file_with_the_old_header_still_reads(tmp_path):

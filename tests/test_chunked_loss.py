@@ -72,6 +72,24 @@ def test_bad_arguments_name_the_fix():
         cross_entropy(x, t, chunk_bytes=0)
 
 
+def test_wrong_logits_and_targets_are_refused_by_name_not_deep_in_torch():
+    x, t = logits_and_targets(torch.bfloat16)
+    # Integer "logits" (class ids passed by mistake) used to give a loss, log(C) for equal ids, with no
+    # gradient to train on; float class indices failed inside F.cross_entropy; an index past the classes
+    # was torch's IndexError.
+    with pytest.raises(TypeError, match="input must be floating-point logits .* got torch.int64"):
+        cross_entropy(torch.ones(4, 3, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"class probabilities of the logits' shape \(37, 1000\).*target.long\(\)"):
+        cross_entropy(x, t.float())
+    bad = t.clone()
+    bad[5] = V
+    for logits, chunk_bytes in ((x, 7 * V * 4), (x.float(), 1 << 20)):   # chunked; one fp32 chunk
+        with pytest.raises(ValueError, match=r"not a class index in \[0, 1000\) nor ignore_index=-100"):
+            cross_entropy(logits, bad, chunk_bytes=chunk_bytes)
+    bad[5] = -100                                       # ignore_index is still a valid target
+    assert torch.isfinite(cross_entropy(x, bad))
+
+
 def test_saves_the_16_bit_logits_not_fp32_log_probabilities():
     x, t = logits_and_targets(torch.bfloat16)
     with SavedTensorMeter() as meter:

@@ -496,3 +496,48 @@ def test_a_gpu_benchmark_on_the_cpu_says_it_will_be_slow_before_it_starts(monkey
     assert "(2 recipe(s) x 1 step(s))" in err
     assert main(["compare", "--workload", "mlp", "--device", "cpu", "--steps", "1"]) == 130
     assert "note" not in capsys.readouterr().err          # the built-in CPU workloads take seconds
+
+
+@pytest.mark.parametrize("command, recipe_flag", [("compare", "--recipes"), ("doctor", "--recipe"),
+                                                  ("trace", "--recipe")])
+@pytest.mark.parametrize("recipe, named", [("fp16-pure,fp32_modules=LayerNrom", "fp32_modules=LayerNrom"),
+                                           ("fp8,fp8=current(skip=nomatch)", "fp8 skip='nomatch'")])
+def test_a_recipe_name_that_matches_no_module_is_a_usage_error_before_training(command, recipe_flag, recipe,
+                                                                               named, capsys):
+    # Were found by the engine once the recipe's run had started (compare: after the recipes before it
+    # had trained), and printed as a crash: "... in (casting.py:103: raise ValueError(); run with --traceback".
+    from mixprec.lab.cli import main
+    assert main([command, recipe_flag, recipe, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mixprec: error: {named} matches no") and "--traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["compare", "doctor", "trace"])
+def test_a_seed_past_64_bits_is_a_usage_error_before_training(command, capsys):
+    # torch.Generator().manual_seed(2**70) failed inside the run: "Overflow when unpacking long long".
+    from mixprec.lab.cli import main
+    assert main([command, "--seed", str(2**64), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"mixprec: error: seed must be a non-negative integer below 2**64 (what "
+                           f"torch.manual_seed takes), got {2**64}"), err
+
+
+def test_mixprecs_own_error_while_a_workload_runs_is_its_message_without_the_raise_line():
+    from mixprec import MixedPrecision
+    from mixprec.lab.failure import describe_failure
+    from torch import nn
+    import torch
+    model = nn.Linear(3, 2)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
+    try:
+        mp.backward(model(torch.ones(4, 3)).sum(1))     # a loss that is not one number: the user's mistake
+    except ValueError as e:
+        line = describe_failure(e, "mine:tiny")
+    assert line.startswith("mine:tiny: ValueError: the loss must be a single number, got shape (4,): reduce it")
+    assert "raise ValueError" not in line and "engine.py" not in line, line
+    try:
+        model(torch.ones(4, 5))                          # torch's own error keeps where it happened
+    except RuntimeError as e:
+        line = describe_failure(e, "mine:tiny")
+    assert "module Linear" in line and "F.linear" in line, line

@@ -175,6 +175,22 @@ def test_memory_is_8_bytes_per_parameter_with_bf16_sr_weights_and_bf16_moments()
     assert fp8.predicted.optimizer == 2 * sum(b * 128 + 4 * b for b in blocks)
 
 
+def test_any_int_seeds_the_compact_moments_noise_modulo_2_64():
+    # 2**70 and 2**64 - 1 + 1 failed inside torch.Generator.manual_seed ("Overflow when unpacking long long");
+    # the seed is taken modulo 2**64, as the stochastic rounding's is.
+    recipe = "bf16,moments=bf16-sr"
+    for seed, alias in ((2**70, 2**70 % 2**64), (-1, 2**64 - 1)):
+        a = train(recipe, 2, mp=_engine(recipe, seed))[0]
+        b = train(recipe, 2, mp=_engine(recipe, alias))[0]
+        assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+
+
+def _engine(recipe, seed):
+    model = tiny_model()
+    return MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), recipe, seed=seed,
+                          clip_grad_norm=1.0)
+
+
 def test_bad_input_names_the_fix():
     model = tiny_model()
     with pytest.raises(ValueError, match="needs torch.optim.Adam or AdamW"):

@@ -138,6 +138,33 @@ def test_bad_constructor_arguments_are_type_errors(kwargs, match):
     assert isinstance(model[0], nn.Linear) and model[0].weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("recipe", ["bf16-sr", "fp16", "bf16,moments=bf16-sr"])
+@pytest.mark.parametrize("seed", ["abc", 1.5, None, True])
+def test_a_seed_that_is_not_an_int_is_refused_before_anything_changes(recipe, seed):
+    # Under bf16-sr the optimizer's weights were already swapped for fp32 copies when the noise refused
+    # the seed; under fp16 it was taken and unused; under moments=bf16-sr it was "can only concatenate str".
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    held = list(opt.param_groups[0]["params"])
+    with pytest.raises(ValueError, match=rf"seed must be an int \(the stochastic-rounding seed, e.g. seed=0\), "
+                                         rf"got {seed!r}"):
+        MixedPrecision(model, opt, recipe, seed=seed)
+    assert all(a is b for a, b in zip(held, opt.param_groups[0]["params"]))
+    assert model[0].weight.dtype == torch.float32
+
+
+def test_scale_loss_takes_a_floating_loss_tensor():
+    model, opt = _model_opt()
+    mp = MixedPrecision(model, opt, "fp16")
+    with pytest.raises(TypeError, match=r"scale_loss\(\) needs the loss as a tensor, got str"):
+        mp.scale_loss("loss")                    # was 'str' object has no attribute 'dtype'
+    with pytest.raises(TypeError, match="the loss has dtype torch.int64; it must be floating point"):
+        mp.scale_loss(torch.tensor(3))           # was tensor(196608), an int64 "loss"
+    with mp.autocast():                          # the forward, as a trainer runs it
+        loss = torch.tensor(2.0)
+    assert mp.scale_loss(loss).item() == 2.0 * 2**16
+
+
 def test_process_group_auto_and_none_still_accepted():
     for group in ("auto", None):
         model, opt = _model_opt()

@@ -1,6 +1,7 @@
 """Memory accounting against numbers worked out by hand (a 784-8192-10 MLP) and against the tensors."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -145,6 +146,34 @@ def test_memory_report_bad_input():
         memory_report(tiny_model(), "fp32", torch.randn(2, 8), optimizer="adam")
     with pytest.raises(ValueError, match=r"\(inputs, targets\)"):
         memory_report(tiny_model(), "fp32", torch.randn(2, 8), loss_fn=F.cross_entropy)
+    # Were "'str' object is not callable" from inside the trace, and torch's "linear(): argument 'input'
+    # must be Tensor, not NoneType".
+    batch = (torch.randn(2, 8), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"loss_fn must be a function loss_fn\(outputs, targets\).*str 'cross_entropy'"):
+        memory_report(tiny_model(), "fp32", batch, loss_fn="cross_entropy")
+    for empty in (None, (), {"x": 3}):
+        with pytest.raises(ValueError, match="batch holds no tensor"):
+            memory_report(tiny_model(), "fp32", empty)
+
+
+def test_a_model_the_fake_trace_cannot_run_is_one_error_without_torchs_logged_traceback():
+    # A wrong input width: torch logged "failed while attempting to run meta for aten.mm.default" with a
+    # full traceback to stderr, then memory_report raised its ValueError.
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    log = logging.getLogger("torch._subclasses.fake_tensor")     # its own handler; does not propagate
+    log.addHandler(handler)
+    level = log.level
+    try:
+        with pytest.raises(ValueError, match=r"cannot predict the memory of Sequential: tracing it with fake "
+                                             r"tensors \(shapes only\) failed: .*\[4, 9\] X \[8, 16\]"):
+            memory_report(tiny_model(), "fp16", (torch.randn(4, 9), torch.zeros(4, dtype=torch.long)),
+                          loss_fn=F.cross_entropy)
+    finally:
+        log.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR]
+    assert log.level == level                                     # the logger is left as it was
 
 
 def test_saved_activations_split_by_op_and_dtype_by_hand():

@@ -163,6 +163,13 @@ def test_op_lists_of_a_device_torch_cannot_represent_is_a_clear_error():
         autocast_op_lists("nosuchdevice")
 
 
+@pytest.mark.parametrize("low", [torch.float32, torch.float64, "bf16"])
+def test_op_lists_for_a_dtype_autocast_does_not_lower_to_are_refused(low):
+    # float32 answered with three lists no autocast runs (torch.autocast refuses float32 on a CPU).
+    with pytest.raises(ValueError, match=r"the dtype autocast lowers to: torch.float16 or torch.bfloat16"):
+        autocast_op_lists("cpu", low)
+
+
 # ---------------------------------------------------------------- ops outside aten (torchvision & co)
 @pytest.fixture
 def library_ops():

@@ -284,6 +284,14 @@ def test_unknown_module_names_suggest_close_matches():
     assert list(select_modules(nn.Linear(2, 2))) == [""]  # a bare layer is its own module
 
 
+def test_module_names_given_as_one_string_are_refused():
+    # Iterated, "decoder" was the names "d", "e", ... (and "0" happened to work): a list is what it takes.
+    model = nn.Sequential()
+    model.add_module("decoder", nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"modules takes a list of module names, e.g. \['decoder'\], not a string"):
+        select_modules(model, "decoder")
+
+
 def test_tied_weights_are_counted_once():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight                      # tied, as GPT's head and embedding

@@ -240,15 +240,30 @@ def test_a_bare_step_with_compact_moments_is_refused():
 @pytest.mark.parametrize("recipe, cast", [("fp16", "half"), ("bf16", "bfloat16"), ("fp16-pure", "float")])
 def test_casting_the_model_after_building_the_engine_is_refused_at_step(recipe, cast):
     # model.half() under fp16 left fp32-recipe weights in fp16 with no master copy: no error, no word.
+    # A cast before the forward is refused on entering mp.autocast() (the next test); one between
+    # backward and step, here.
     mp = engine(recipe)
     x, y = batches(1)[0]
+    mp.backward(forward(mp, x, y))
     getattr(mp.model, cast)()
-    mp.backward(forward(mp, x.to(next(mp.model.parameters()).dtype), y))
     before = weights(mp)
     with pytest.raises(RuntimeError, match=r"changed dtype after MixedPrecision was built \('0.weight' was "
                                            r"\w+, now \w+\): was model.half\(\)"):
         mp.step()
     assert all(torch.equal(a, b) for a, b in zip(before, weights(mp))) and mp.steps == 0
+
+
+def test_casting_a_pure_model_is_refused_on_entering_autocast_before_the_forward_fails():
+    # bf16-pure keeps LayerNorm fp32: after model.half() the forward failed inside torch ("mixed dtype
+    # (CPU): expect parameter to have scalar type of Float") before step() could say why.
+    mp = engine("bf16-pure")
+    mp.model.half()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    with pytest.raises(RuntimeError, match=r"changed dtype after MixedPrecision was built \('0.weight' was "
+                                           r"bfloat16, now float16\): was model.half\(\)"):
+        with mp.autocast():
+            raise AssertionError("the forward must not run")
+    assert torch.backends.cuda.matmul.allow_tf32 == tf32 and not mp._checks.entered_autocast
 
 
 def test_trace_nonfinite_takes_a_bool_only():

@@ -9,9 +9,10 @@ torch, CUDA, ``random`` and NumPy, and the user's extras::
 
 File layout: a magic line, the payload's length (8 bytes, little endian) and SHA-256 (32 bytes), then
 the payload as ``torch.save`` wrote it. The magic line starts with a tiny pickle that names
-``use_mixprec_read_checkpoint``: ``torch.load`` on the file fails on that name (weights_only) or runs
-it, and it raises an error saying how to open the file (``mixprec.read_checkpoint``, ``mixprec ckpt
-show``), where a bare header gave "Unsupported operand 80". Files written with the v1 line still load. The file is written under a temporary name in the same folder,
+``use_mixprec_read_checkpoint``: ``torch.load`` on the file runs it (importing mixprec allowlists it for
+torch's default ``weights_only=True``; without mixprec imported, torch's refusal names it), and it raises
+an error saying how to open the file (``mixprec.read_checkpoint``, ``mixprec ckpt show``), where a bare
+header gave "Unsupported operand 80". Files written with the v1 line still load. The file is written under a temporary name in the same folder,
 flushed to disk and renamed over the target, so a crash leaves the old checkpoint or the new one,
 never half of one (plus a hidden temporary file, which the next save to that path removes).
 A load checks the whole payload first and restores from a snapshot if anything still fails: a failed
@@ -63,6 +64,12 @@ def use_mixprec_read_checkpoint() -> None:
                           "mixprec.load_checkpoint(path, engine)")
 
 
+# torch.load's default (weights_only=True) refuses the header's global by name, at the end of a long message
+# that suggests allowlisting it; allowlisted, it runs, and says how to open the file. It only raises, so
+# allowing it lets nothing else run. Done where mixprec is imported, as the unpickler asks it to be.
+torch.serialization.add_safe_globals([use_mixprec_read_checkpoint])
+
+
 def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, scheduler: Any = None,
                     extra: Any = None, rng: bool = True) -> Path:
     """Write everything needed to resume ``engine``'s run to ``path``, atomically. Syncs with the host.
@@ -72,6 +79,7 @@ def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
     a folder, an ``extra`` that cannot be pickled: each a TypeError/ValueError naming the fix.
     """
     _check_call("save_checkpoint", path, engine)
+    _check_flags("save_checkpoint", rng=rng)
     _check_scheduler_arg("save_checkpoint", scheduler, engine)
     _check_extra(extra)
     _check_file_path(path)
@@ -103,6 +111,13 @@ def _check_call(name: str, path: Any, engine: Any) -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{name} needs a file path (str or pathlib.Path) as its first argument, got "
                         f"{type(path).__name__}: call {name}('run/step_1000.ckpt', mp)")
+
+
+def _check_flags(name: str, **flags: Any) -> None:
+    """TypeError for a switch that is not a bool: ``rng="no"`` is truthy, and would save or restore RNG states."""
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}({flag}=...) takes True or False, got {type(value).__name__} {value!r}")
 
 
 def _check_scheduler_arg(name: str, scheduler: Any, engine: MixedPrecision) -> None:
@@ -258,6 +273,7 @@ def load_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, schedule
     ``weights_only=False`` lets extras hold arbitrary Python objects: only for files you trust.
     """
     _check_call("load_checkpoint", path, engine)
+    _check_flags("load_checkpoint", rng=rng, weights_only=weights_only, ignore_scheduler=ignore_scheduler)
     _check_scheduler_arg("load_checkpoint", scheduler, engine)
     path = Path(path)
     state = read_verified(path, engine.device, weights_only)

@@ -78,8 +78,10 @@ def check_engine_state(engine: Any, state: Any) -> None:
 
 def _check_recipe(engine: Any, state: Any) -> None:
     if not isinstance(state, dict) or "recipe" not in state:
-        raise ValueError("the mixprec state is missing or not a dict: was the file written by "
-                         "save_checkpoint?")
+        what = (f"a dict without 'recipe' (keys {sorted(map(str, state))[:5]})" if isinstance(state, dict)
+                else type(state).__name__)
+        raise ValueError(f"the mixprec state is {what}, not what mp.state_dict() returns (recipe, "
+                         "loss_scale, master, ...): was it written by mp.state_dict() or save_checkpoint?")
     if state["recipe"] != str(engine.recipe):
         raise ValueError(f"state was saved under recipe {state['recipe']!r} but this engine runs "
                          f"{str(engine.recipe)!r}: build MixedPrecision with the saved recipe to resume")

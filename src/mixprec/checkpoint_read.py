@@ -94,23 +94,34 @@ def read_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> Ch
     Tensors load on the CPU. ``weights_only=False`` lets extras hold arbitrary Python objects: only
     for files you trust. A missing, truncated or altered file is a ``CheckpointError`` naming the fault.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"read_checkpoint needs a file path (str or pathlib.Path), got {type(path).__name__}: "
+                        "call read_checkpoint('run/step_1000.ckpt')")
+    if not isinstance(weights_only, bool):
+        raise TypeError(f"read_checkpoint(weights_only=...) takes True or False, got {weights_only!r}")
     path = Path(path)
     state = read_verified(path, torch.device("cpu"), weights_only)
     if not isinstance(state, dict) or set(TOP_KEYS) - set(state):
         have = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path}: the checksum holds but the payload is {have}, not what "
                               f"save_checkpoint writes ({', '.join(TOP_KEYS)})")
-    engine = state["mixprec"] if isinstance(state["mixprec"], dict) else {}
+    engine = state["mixprec"]
+    # The summary reads the engine's part and its loss scale by key: anything else is not save_checkpoint's.
+    odd = ("mixprec", engine) if not isinstance(engine, dict) else ("loss scale", engine.get("loss_scale") or {})
+    if not isinstance(odd[1], dict):
+        raise CheckpointError(f"{path}: the checksum holds but the payload's {odd[0]} part is "
+                              f"{type(odd[1]).__name__}, not the dict save_checkpoint writes")
     engine_parts = {"master": engine.get("master"), "fp8": engine.get("fp8"), "moments": engine.get("moments"),
                     "loss_scale": engine.get("loss_scale")}
     sources = {**{k: state[k] for k in ("model", "optimizer", "scheduler", "rng", "extra")}, **engine_parts}
     groups = tuple(_group(role, sources[role]) for role, _ in _ROLES)
     scale = engine.get("loss_scale") or {}
     recipe = str(engine.get("recipe", "unknown"))
+    value = scale.get("value")
     return CheckpointInfo(
         path=path, file_bytes=path.stat().st_size, recipe=recipe,
         steps=_int(scale.get("steps")), skipped=_int(scale.get("skipped")),
-        loss_scale=float(scale["value"]) if torch.is_tensor(scale.get("value")) and _scaled(recipe) else None,
+        loss_scale=float(value) if _scalar(value) and _scaled(recipe) else None,
         optimizer_type=state.get("optimizer_type"), scheduler_type=state.get("scheduler_type"),
         groups=groups, state=state)
 
@@ -144,8 +155,13 @@ def _scaled(recipe: str) -> bool:
         return True
 
 
+def _scalar(value: Any) -> bool:
+    """A one-element tensor (what the loss scale saves); anything else in a crafted file is not shown."""
+    return torch.is_tensor(value) and value.numel() == 1
+
+
 def _int(value: Any) -> int | None:
-    return int(value) if torch.is_tensor(value) or isinstance(value, int) else None
+    return int(value) if _scalar(value) or isinstance(value, int) else None
 
 
 def _size(nbytes: int) -> str:

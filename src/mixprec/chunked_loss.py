@@ -64,6 +64,33 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    _check_inputs(input, target)
+    try:
+        return _cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, chunk_bytes)
+    except IndexError as e:    # a CPU kernel's bounds check; CUDA asserts on the device instead
+        classes = input.shape[min(1, input.dim() - 1)]
+        raise ValueError(f"cross_entropy: a target is not a class index in [0, {classes}) nor "
+                         f"ignore_index={ignore_index} (torch: {e})") from None
+
+
+def _check_inputs(input: torch.Tensor, target: torch.Tensor) -> None:
+    """TypeError/ValueError for what F.cross_entropy would refuse deep inside, or accept wrongly: integer
+    logits (cast to float, they would give a loss without a gradient) and floating targets that are not
+    class probabilities of the logits' shape (class indices must be integers). Metadata only: no sync."""
+    for name, t in (("input", input), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cross_entropy: {name} must be a tensor, got {type(t).__name__}")
+    if not input.is_floating_point():
+        raise TypeError(f"cross_entropy: input must be floating-point logits (N, C), got {input.dtype}; "
+                        "pass the model's output, not class ids")
+    if target.is_floating_point() and target.shape != input.shape:
+        raise ValueError(f"cross_entropy: a floating target holds class probabilities of the logits' shape "
+                         f"{tuple(input.shape)}, got {target.dtype} of shape {tuple(target.shape)}; class "
+                         "indices must be integers: pass target.long()")
+
+
+def _cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+                   reduction: str, label_smoothing: float, chunk_bytes: int) -> torch.Tensor:
     if weight is not None or target.is_floating_point() or input.dim() < 2:
         return F.cross_entropy(input.float(), target, weight, ignore_index=ignore_index,
                                reduction=reduction, label_smoothing=label_smoothing)

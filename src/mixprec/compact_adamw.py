@@ -125,7 +125,8 @@ class CompactAdamW:
         self.generator: torch.Generator | None = None
         if fmt in (Moments.BF16_SR, Moments.FP8):
             device = next(p.device for g in optimizer.param_groups for p in g["params"])
-            self.generator = torch.Generator(device=device).manual_seed(seed + 0x5EED)
+            # Modulo 2**64, as the stochastic rounding takes its seed: manual_seed refuses ints past 64 bits.
+            self.generator = torch.Generator(device=device).manual_seed((seed + 0x5EED) % 2**64)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -48,8 +48,8 @@ from .optimizer_step import (fused_optimizer_step, fused_step_ok, generic_optimi
                              host_fused_optimizer_step, master_whole, optimizer_grads, unscale_and_clip)
 from .recipe import Precision, Recipe, get_recipe
 from .engine_args import check_arguments
-from .usage_checks import (UsageChecks, bare_step_reason, check_param_dtypes, foreign_params_message,
-                           frozen_model_message, no_grads_message, remember_engine)
+from .usage_checks import (UsageChecks, bare_step_reason, check_loss_tensor, check_param_dtypes,
+                           foreign_params_message, frozen_model_message, no_grads_message, remember_engine)
 from .recipe.moments import Moments
 from .saved16 import Saved, SavedPacker, warn_if_compiled_saves
 from .step_result import StepObserver, StepResult
@@ -92,7 +92,7 @@ class MixedPrecision:
                  trace_nonfinite: bool = False,
                  process_group: Any = GroupChoice.AUTO) -> None:
         self.recipe = get_recipe(recipe)
-        check_arguments(model, optimizer, clip_grad_norm, fp8_filter, trace_nonfinite, process_group)
+        check_arguments(model, optimizer, clip_grad_norm, fp8_filter, trace_nonfinite, process_group, seed)
         params = list(model.parameters())
         if not params:
             raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
@@ -196,6 +196,7 @@ class MixedPrecision:
         differ from autocast's lists are applied on top (``oplists.OpListMode``). The TF32 switches are
         global in torch, so they are set here and restored on exit.
         """
+        self._checks.check_dtype()      # model.half() after the engine: refused before the forward fails
         tf32 = self.recipe.compute is Precision.TF32
         saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
@@ -218,11 +219,7 @@ class MixedPrecision:
     # ----------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * S).backward()``. Call it several times before ``step()`` to accumulate. No sync."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"backward() needs the loss as a tensor, got {type(loss).__name__}")
-        if not loss.is_floating_point():
-            raise TypeError(f"the loss has dtype {loss.dtype}; it must be floating point (compute it "
-                            "from the model's output, e.g. with F.cross_entropy)")
+        check_loss_tensor(loss, "backward")
         if loss.numel() != 1:
             raise ValueError(f"the loss must be a single number, got shape {tuple(loss.shape)}: reduce it "
                              "first, e.g. loss.mean()")
@@ -243,6 +240,7 @@ class MixedPrecision:
         ``in_backward=True`` returns the loss unchanged, for logging, and multiplies by ``S`` in its
         backward instead (``loss_scale.ScaleInBackward``).
         """
+        check_loss_tensor(loss, "scale_loss")
         self._checks.on_backward()     # warns once if the forward ran outside mp.autocast()
         if in_backward:
             return ScaleInBackward.apply(loss, self.loss_scale.value)

@@ -16,7 +16,7 @@ __all__ = ["check_arguments"]
 
 
 def check_arguments(model: Any, optimizer: Any, clip_grad_norm: Any, fp8_filter: Any, trace_nonfinite: Any,
-                    process_group: Any) -> None:
+                    process_group: Any, seed: Any = 0) -> None:
     """Raise TypeError/ValueError for an argument of the engine that cannot be right."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -31,6 +31,14 @@ def check_arguments(model: Any, optimizer: Any, clip_grad_norm: Any, fp8_filter:
                         f"{clip_grad_norm!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm}")
+    # Any int seeds the noise (taken modulo 2**64). Checked here, under every recipe: under bf16-sr the
+    # noise was built after the optimizer's weights were swapped for fp32 copies, so a bad seed failed
+    # half way; under moments=bf16-sr it failed inside torch.Generator.manual_seed; elsewhere it was unused.
+    # A ValueError, as the stochastic rounding's own check has always raised.
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int (the stochastic-rounding seed, e.g. seed=0), got {seed!r}"
+                         + ("; pass seed=int(seed)" if isinstance(seed, numbers.Integral)
+                            and not isinstance(seed, bool) else ""))
     if fp8_filter is not None and not callable(fp8_filter):
         raise TypeError(f"fp8_filter must be a function fp8_filter(name, module) -> bool (False keeps a "
                         f"layer out of fp8) or None, got {fp8_filter!r}")

@@ -357,8 +357,12 @@ def autocast_op_lists(device_type: str, low: torch.dtype = torch.bfloat16) -> Op
 
     Needs no device: ``autocast_op_lists("cuda")`` answers on a machine without a GPU (the dispatcher
     holds the CUDA registrations in every build). ValueError for a device type this torch build cannot
-    represent.
+    represent, or a ``low`` that is not float16 or bfloat16 (autocast lowers to those alone).
     """
+    if low not in (torch.float16, torch.bfloat16):
+        # float32 would answer with lists no autocast runs (torch.autocast refuses it on a CPU).
+        raise ValueError(f"autocast_op_lists(low=...) is the dtype autocast lowers to: torch.float16 or "
+                         f"torch.bfloat16, got {low!r}")
     _fake_mode(device_type)       # fail early and clearly, not op by op
     names = {_list_name(op) for op in torch._C._dispatch_get_registrations_for_dispatch_key(
         _autocast_key(device_type))}

@@ -37,7 +37,7 @@ import torch
 
 __all__ = ["UsageChecks", "SKIP_WARNING_AFTER", "bare_step_reason", "check_param_dtypes", "foreign_params_message",
            "no_grads_message",
-           "remember_engine", "frozen_model_message"]
+           "remember_engine", "frozen_model_message", "check_loss_tensor"]
 
 # Consecutive skipped steps before the warning. A dynamic fp16 scale skips a few steps while it
 # settles (each halves S); ten in a row means S fell 1024-fold or there is no scale to adjust.
@@ -121,6 +121,15 @@ def foreign_params_message(model: Any, optimizer: Any, foreign: list[Any], total
     return (f"the optimizer holds {len(foreign)} of {total} parameters that are not "
             f"{type(model).__name__}'s: build it from this model, e.g. "
             f"{type(optimizer).__name__}(model.parameters(), ...), before MixedPrecision")
+
+
+def check_loss_tensor(loss: Any, method: str) -> None:
+    """TypeError unless ``loss`` is a floating-point tensor (``mp.backward`` and ``mp.scale_loss`` take it)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{method}() needs the loss as a tensor, got {type(loss).__name__}")
+    if not loss.is_floating_point():
+        raise TypeError(f"the loss has dtype {loss.dtype}; it must be floating point (compute it "
+                        "from the model's output, e.g. with F.cross_entropy)")
 
 
 def frozen_model_message(model: Any) -> str | None:
@@ -218,6 +227,22 @@ class UsageChecks:
         name, param = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()), ("", None))
         self.dtype_probe = (name, param, param.dtype) if param is not None else None
 
+    def check_dtype(self) -> None:
+        """Refuse a model cast after the engine was built (one dtype compared: host metadata, no sync).
+
+        Checked at step() and on entering mp.autocast(): under a pure recipe the forward itself fails
+        after model.half() (a norm kept fp32 gets fp16 weights), with torch's "mixed dtype" error.
+        """
+        probe = self.dtype_probe
+        if probe is not None and probe[1].dtype != probe[2]:
+            name, param, built = probe
+            raise RuntimeError(
+                f"the model's parameters changed dtype after MixedPrecision was built ({name!r} was "
+                f"{str(built).removeprefix('torch.')}, now {str(param.dtype).removeprefix('torch.')}): was "
+                "model.half() or model.to(dtype) called after it? The recipe decides the weights' dtype: "
+                "build the engine on the fp32 model and pick a recipe that keeps 16-bit weights with fp32 "
+                "master copies (e.g. 'fp16-pure', 'bf16-pure') instead of casting the model yourself")
+
     # ----------------------------------------------------------------- the optimizer guard
     def guard_optimizer(self, optimizer: Any, reason: tuple[str | None, bool]) -> None:
         """Make a bare ``optimizer.step()`` raise (with ``bare_step_reason``'s text) unless ``mp.step()``
@@ -267,15 +292,7 @@ class UsageChecks:
         engine was built (one dtype compared: host metadata). Changes nothing."""
         if self.optimizer is not None and len(self.optimizer.param_groups) != self.n_groups:
             self._check_param_groups()
-        probe = self.dtype_probe
-        if probe is not None and probe[1].dtype != probe[2]:
-            name, param, built = probe
-            raise RuntimeError(
-                f"the model's parameters changed dtype after MixedPrecision was built ({name!r} was "
-                f"{str(built).removeprefix('torch.')}, now {str(param.dtype).removeprefix('torch.')}): was "
-                "model.half() or model.to(dtype) called after it? The recipe decides the weights' dtype: "
-                "build the engine on the fp32 model and pick a recipe that keeps 16-bit weights with fp32 "
-                "master copies (e.g. 'fp16-pure', 'bf16-pure') instead of casting the model yourself")
+        self.check_dtype()
         if self.via_engine:
             return
         if not _compiling() and self._same_grads_as_last_step(model_grads):

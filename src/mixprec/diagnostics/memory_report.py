@@ -23,9 +23,11 @@ predicted with the autocast op lists of the CPU (fake tensors live there): on CU
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Union
 
 import torch
@@ -121,8 +123,16 @@ def memory_report(model: nn.Module, recipe: str | Recipe, batch: Any, *, optimiz
 
 
 def _check_batch(model: nn.Module, batch: Any, loss_fn) -> None:
-    """ValueError for integer inputs to a model with no embedding to take them: its first matmul would
-    refuse them (and the fake trace would not notice)."""
+    """TypeError/ValueError for a ``loss_fn`` that is not a function, a batch without a tensor, and
+    integer inputs to a model with no embedding to take them: its first matmul would refuse them (and
+    the fake trace would not notice)."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function loss_fn(outputs, targets) -> tensor (e.g. "
+                        f"F.cross_entropy) or None, got {type(loss_fn).__name__} {loss_fn!r}")
+    if not any(isinstance(t, torch.Tensor) for t in tree_leaves(dict(batch) if isinstance(batch, Mapping)
+                                                                 else batch)):
+        raise ValueError(f"batch holds no tensor (got {type(batch).__name__}): pass the model's input (a "
+                         "tensor, a tuple of them or a dict of keyword inputs), or (inputs, targets) with loss_fn=")
     if any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules()):
         return
     inputs = batch[0] if loss_fn is not None and isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
@@ -176,7 +186,7 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn
     the model's gradients when step() starts)``."""
     inputs, targets = _split(batch, loss_fn)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes():
+        with FakeTensorMode(allow_non_fake_inputs=False), _RealStatDtypes(), _quiet_fake_tensor_log():
             shadow = shadow_copy(model, "cpu")
             fake_in, fake_targets = meta_like((inputs, targets), "cpu")   # one memo: aliases stay
             # A stand-in optimizer (plain SGD makes no state): the engine needs one to wire masters.
@@ -196,6 +206,19 @@ def _predict(model: nn.Module, recipe: Recipe, batch: Any, loss_fn
         raise ValueError(f"cannot predict the memory of {type(model).__name__}: tracing it with fake "
                          f"tensors (shapes only) failed: {first}. Its ops need meta kernels and its "
                          "control flow must not read tensor values") from None
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """Hold back the traceback torch logs (at ERROR, to stderr) when an op fails on fake tensors: the
+    failure is raised as the ValueError above, which names it; the log printed a traceback before it."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    saved = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(saved)
 
 
 def _peak(predicted: MemoryBreakdown, inputs: tuple[int, int], recipe: Recipe, optimizer: OptimizerSpec,

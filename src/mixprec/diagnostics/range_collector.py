@@ -112,6 +112,8 @@ def select_modules(model: nn.Module, names: Sequence[str] | None = None) -> dict
     named = dict(model.named_modules())
     if names is None:
         return {n: m for n, m in named.items() if is_layer(m) and (n or m is model)}
+    if isinstance(names, str):      # iterated, "blocks.0" would be the names "b", "l", "o", ...
+        raise TypeError(f"modules takes a list of module names, e.g. [{names!r}], not a string")
     all_names = [n for n in named if n]
     for name in names:
         if name not in named or not name:

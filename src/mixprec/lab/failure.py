@@ -19,6 +19,8 @@ from torch import nn
 
 __all__ = ["describe_failure", "wants_traceback"]
 
+_PACKAGE = Path(__file__).resolve().parents[1]     # src/mixprec
+
 TRACEBACK_ENV = "MIXPREC_TRACEBACK"
 
 
@@ -29,7 +31,11 @@ def wants_traceback(argv: list[str]) -> tuple[bool, list[str]]:
 
 
 def describe_failure(exc: BaseException, workload: str | None) -> str:
-    """``workload: Type: first line of the message in module M (file:line: code)``; one line."""
+    """``workload: Type: first line of the message in module M (file:line: code)``; one line.
+
+    mixprec's own ValueError/TypeError (the loss of a workload that is not one number, say) names the
+    mistake itself: its ``raise`` line is left out, it would only show mixprec's source.
+    """
     message = str(exc).strip().splitlines()
     text = f"{type(exc).__name__}: {message[0] if message else ''}".rstrip(": ")
     frames = list(traceback.walk_tb(exc.__traceback__))
@@ -37,7 +43,7 @@ def describe_failure(exc: BaseException, workload: str | None) -> str:
                    if f.f_code.co_name == "forward" and isinstance(f.f_locals.get("self"), nn.Module)),
                   None)
     where = ""
-    if frames:
+    if frames and not _own_message(exc):
         summary = traceback.extract_tb(exc.__traceback__)[-1]
         path = Path(summary.filename)
         short = "/".join(path.parts[-4:]) if "site-packages" in path.parts or "torch" in path.parts \
@@ -48,3 +54,10 @@ def describe_failure(exc: BaseException, workload: str | None) -> str:
     prefix = f"{workload}: " if workload else ""
     return (f"{prefix}{text}{place}; run with --traceback (or {TRACEBACK_ENV}=1) for the full "
             "traceback")
+
+
+def _own_message(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ValueError/TypeError that mixprec raised (its message is written for the user)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return (isinstance(exc, (ValueError, TypeError)) and bool(frames)
+            and _PACKAGE in Path(frames[-1].filename).resolve().parents)

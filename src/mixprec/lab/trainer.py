@@ -24,15 +24,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..casting import check_module_patterns
 from ..devices import resolve_device
 from ..diagnostics.memory import MemoryBreakdown, SavedTensorMeter, state_bytes
 from ..distributed.parallel import shard_model, wrap_ddp
 from ..engine import MixedPrecision
+from ..fp8.swap import check_fp8_patterns
 from ..model_io import output_logits, predictions
 from ..recipe import Recipe, get_recipe
 from .workloads import Workload, get_workload
 
-__all__ = ["TrainProgress", "RunResult", "train", "batch_order", "warmup_steps", "check_steps", "MAX_STEPS"]
+__all__ = ["TrainProgress", "RunResult", "train", "batch_order", "warmup_steps", "check_steps", "check_seed",
+           "check_recipe_patterns", "MAX_STEPS"]
 
 # Steps left out of the samples/s timing: the first ones allocate memory, pick kernels and (on CUDA)
 # autotune; they say nothing about steady-state speed.
@@ -88,10 +91,19 @@ def check_steps(steps: object) -> int:
 
 
 def check_seed(seed: object) -> int:
-    """``seed`` if it is a non-negative int, else a ValueError."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    """``seed`` if it is an int in [0, 2**64) (what torch.manual_seed takes), else a ValueError."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be a non-negative integer below 2**64 (what torch.manual_seed takes), "
+                         f"got {seed!r}")
     return seed
+
+
+def check_recipe_patterns(model: nn.Module, recipe: Recipe) -> None:
+    """The engine's checks of a recipe's names against ``model`` (``modules=``, ``fp32_modules=``, fp8's
+    ``skip=``), run before training: the engine would raise them only once the run had started."""
+    check_module_patterns(model, recipe)
+    if recipe.fp8 is not None:
+        check_fp8_patterns(model, recipe.fp8)
 
 
 def resolve_run(workload: str | Workload, device: str | torch.device | None,

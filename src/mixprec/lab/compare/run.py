@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ... import __version__
-from ...casting import check_module_patterns
 from ...devices import device_name, supports
 from ...recipe import RECIPES, Recipe, get_recipe
+from ...recipe.core import DEFAULT_FP32_MODULES
 from .multiproc import check_parallel, train_on_ranks
 from .report import CompareReport
-from ..trainer import TrainProgress, check_seed, check_steps, resolve_run, train
+from ..trainer import TrainProgress, check_recipe_patterns, check_seed, check_steps, resolve_run, train
 from ..workloads import Workload
 
 __all__ = ["DEFAULT_RECIPES", "ComparePlan", "plan_compare", "run_compare"]
@@ -77,12 +77,13 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
     elif isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
         raise ValueError(f"eval-every must be a positive number of steps, got {eval_every!r}")
     parsed = unique_recipes(recipes, "compare")
-    if any(r.modules for r in parsed.values()):
-        # A module glob that matches nothing is a typo: catch it on the real model before training.
+    if any(r.modules or r.fp8 is not None or r.fp32_modules != DEFAULT_FP32_MODULES for r in parsed.values()):
+        # A name that matches nothing (modules=, fp32_modules=, fp8 skip=) is a typo: catch it on the real
+        # model before training, not when its recipe's turn comes.
         with torch.random.fork_rng(devices=[]):
             model = workload.build_model()
         for recipe in parsed.values():
-            check_module_patterns(model, recipe)
+            check_recipe_patterns(model, recipe)
     for recipe in parsed.values():
         support = supports(recipe, device)
         if not support.ok:

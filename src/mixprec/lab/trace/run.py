@@ -15,10 +15,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from ...casting import check_module_patterns
 from ...devices import resolve_device, supports
 from ...diagnostics.optrace import trace_ops
 from ...recipe import RECIPES, Recipe, get_recipe
+from ..trainer import check_recipe_patterns, check_seed
 from ..workloads import Workload, get_workload
 from .report import TraceReport
 
@@ -42,6 +42,7 @@ def plan_trace(workload: str | Workload = "mlp", recipe: str | Recipe = "bf16", 
                seed: int = 0) -> TracePlan:
     """Check every input (ValueError/TypeError name the fix) and build the model the trace runs."""
     recipe = get_recipe(recipe)
+    seed = check_seed(seed)
     if not isinstance(workload, Workload):
         workload = get_workload(workload)
     device = device if isinstance(device, torch.device) else resolve_device(device)
@@ -58,7 +59,7 @@ def plan_trace(workload: str | Workload = "mlp", recipe: str | Recipe = "bf16", 
         torch.manual_seed(seed)
         model = workload.build_model()
     model.to(device)
-    check_module_patterns(model, recipe)      # before any work: a glob that matches nothing is a typo
+    check_recipe_patterns(model, recipe)      # before any work: a name that matches nothing is a typo
     return TracePlan(workload, recipe, device, model, data.x_train[:batch].to(device),
                      data.y_train[:batch].to(device))
 
