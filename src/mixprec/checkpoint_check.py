@@ -58,6 +58,9 @@ def check_engine_state(engine: Any, state: Any) -> None:
     """Raise ValueError if ``engine.load_state_dict(state)`` would fail part way or load a misfit."""
     _check_recipe(engine, state)
     own_scale = engine.loss_scale.state_dict()
+    check_kind = getattr(engine.loss_scale, "check_state", None)    # a kind's own rules (layer_scale.py)
+    if check_kind is not None and isinstance(state.get("loss_scale"), dict):
+        check_kind(state["loss_scale"])
     _check_tensors("loss scale", state.get("loss_scale"), own_scale,
                    "it was saved by a different kind of loss scale")
     _check_scale_values(state["loss_scale"], own_scale)
@@ -318,7 +321,8 @@ def _check_scale_values(saved: dict, own: dict[str, torch.Tensor]) -> None:
     for key, mine in own.items():
         value = saved[key]
         if value.is_floating_point():
-            if not (bool(torch.isfinite(value).all()) and bool((value > 0).all())):
+            low_ok = (value >= 0) if key == "layer_peak" else (value > 0)   # a peak is 0 until a layer runs
+            if not (bool(torch.isfinite(value).all()) and bool(low_ok.all())):
                 raise ValueError(f"loss scale state {key!r} is {value.tolist()}, not a finite positive "
                                  "number: was the file edited?")
         elif bool((value < 0).any()):

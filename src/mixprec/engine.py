@@ -40,6 +40,7 @@ from .grad_sync import GradSync, GroupChoice, SyncKind
 from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, check_fp8_patterns, none_swapped_reason, resolve_backend, swap_to_fp8
+from .layer_scale import LayerLossScale
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
 from .master import MasterWeights
 from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
@@ -161,6 +162,8 @@ class MixedPrecision:
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
+        if isinstance(self.loss_scale, LayerLossScale):
+            self.loss_scale.attach(self)     # scale=per-layer: hooks on each layer (layer_scale.py)
         self._grad_norm = GradNorm()     # the chunked pure step's norm: 16-bit gradients, no fp32 copies
         self._nonfinite = None
         self._overflow_check: tuple | None = None    # (found_inf, scale, traced ops) of the last step
@@ -268,6 +271,8 @@ class MixedPrecision:
         # What backward made, in the optimizer's order: with fp32 copies stepped in chunks the 16-bit
         # gradients (cast to fp32 chunk by chunk inside the step; on CPU the first chunk's casts).
         grads = optimizer_grads(self)
+        if isinstance(self.loss_scale, LayerLossScale):
+            self.loss_scale.unscale_layers()     # each layer's factor divided out: every gradient at S
         # The scale this step's gradients carry (a copy: the compiled step updates it in place).
         scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
         for observer in self._step_observers.values():

@@ -197,6 +197,9 @@ def make_loss_scale(config: LossScaleConfig, device: torch.device | str) -> Loss
         return NoLossScale(device)
     if config.kind == "static":
         return StaticLossScale(config.init, device)
+    if config.kind == "per-layer":
+        from .layer_scale import LayerLossScale    # it builds on DynamicLossScale: imported here, not above
+        return LayerLossScale(config, device)     # the engine attaches it to the model (its hooks)
     return DynamicLossScale(config, device)
 
 

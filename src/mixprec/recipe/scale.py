@@ -1,7 +1,8 @@
 """The loss-scale part of a recipe: ``LossScaleConfig`` and its words in the recipe grammar.
 
 ``scale=none``, ``scale=static:V`` and ``scale=dynamic(init=,growth=,backoff=,growth_interval=,
-hysteresis=,floor=,ceiling=)``; ``str()`` prints the shortest exact text back (powers of two as 2**k)::
+hysteresis=,floor=,ceiling=)``; ``scale=per-layer(...)`` takes the same options (the dynamic S, times one
+factor per layer: ``layer_scale.py``). ``str()`` prints the shortest exact text back (powers of two as 2**k)::
 
     >>> str(LossScaleConfig.parse("dynamic(hysteresis=2)"))
     'dynamic(hysteresis=2)'
@@ -27,6 +28,7 @@ class LossScaleKind(str, enum.Enum):
     NONE = "none"
     STATIC = "static"
     DYNAMIC = "dynamic"
+    PER_LAYER = "per-layer"     # the dynamic S times a power-of-two factor per layer (layer_scale.py)
 
 
 _STATIC_MAX = 2.0**24
@@ -57,10 +59,11 @@ def _f32(x: float) -> float:
 class LossScaleConfig:
     """How the loss is scaled before backward.
 
-    ``kind`` (a ``LossScaleKind``) is ``"none"``, ``"static"`` (multiply by ``init`` always) or ``"dynamic"`` (start at
+    ``kind`` (a ``LossScaleKind``) is ``"none"``, ``"static"`` (multiply by ``init`` always), ``"dynamic"`` (start at
     ``init``; on an overflow skip the step and, after ``hysteresis`` overflows without a growth in
     between, multiply by ``backoff``; after ``growth_interval`` clean steps in a row multiply by
-    ``growth``; never leave ``[floor, ceiling]``).
+    ``growth``; never leave ``[floor, ceiling]``) or ``"per-layer"`` (that dynamic S, and inside each layer
+    a power-of-two factor of its own on top: ``mixprec.layer_scale``).
 
     Values are checked as the device will hold them: a scale (``init``, ``floor``, ``ceiling``) must be
     finite in fp32 and at least 2**-24 (below it fp16 flushes every gradient under 1 to zero);
@@ -91,7 +94,7 @@ class LossScaleConfig:
         init_f32 = _f32(self.init)
         if not (math.isfinite(init_f32) and init_f32 >= _SCALE_MIN):
             raise ValueError(_scale_error("init", self.init, init_f32))
-        if self.kind == "dynamic":
+        if self.kind in ("dynamic", "per-layer"):
             # growth and backoff multiply the fp32 scale: in fp32 they must stay > 1 and in (0, 1)
             # (1 + 1e-10 rounds to 1.0, and the scale would never grow).
             if not (math.isfinite(self.growth) and _f32(self.growth) > 1.0):
@@ -136,11 +139,11 @@ class LossScaleConfig:
         default = LossScaleConfig()
         changed = [f"{f.name}={_num(getattr(self, f.name))}" for f in dataclasses.fields(self)
                    if f.name != "kind" and getattr(self, f.name) != getattr(default, f.name)]
-        return "dynamic" + (f"({','.join(changed)})" if changed else "")
+        return LossScaleKind(self.kind).value + (f"({','.join(changed)})" if changed else "")
 
     @classmethod
     def parse(cls, text: str) -> LossScaleConfig:
-        """``none`` | ``static:1024`` | ``dynamic`` | ``dynamic(hysteresis=2,init=1024)``."""
+        """``none`` | ``static:1024`` | ``dynamic`` | ``dynamic(hysteresis=2,init=1024)`` | ``per-layer(...)``."""
         if not isinstance(text, str):
             raise TypeError(f"a loss scale is spelled as a string (none, static:1024, dynamic(...)), "
                             f"got {type(text).__name__}")
@@ -159,14 +162,14 @@ class LossScaleConfig:
                                  "overflow to inf and every step is skipped; use at most 2**24, or "
                                  "scale=dynamic to let the scale find its level")
             return cls(kind=LossScaleKind.STATIC, init=init)
-        m = re.fullmatch(r"dynamic(?:\((.*)\))?", text)
+        m = re.fullmatch(r"(dynamic|per-layer)(?:\((.*)\))?", text)
         if not m:
             raise ValueError(f"unknown loss scale {text!r}; valid forms: none, static:VALUE, dynamic, "
                              "dynamic(init=..,growth=..,backoff=..,growth_interval=..,hysteresis=..,"
-                             "floor=..,ceiling=..)")
+                             "floor=..,ceiling=..), per-layer, per-layer(the same options)")
         kwargs: dict[str, float | int] = {}
         names = {f.name: f for f in dataclasses.fields(cls) if f.name != "kind"}
-        for item in filter(None, (m.group(1) or "").split(",")):
+        for item in filter(None, (m.group(2) or "").split(",")):
             key, sep, value = item.partition("=")
             key = key.strip()
             if not sep or key not in names:
@@ -175,7 +178,7 @@ class LossScaleConfig:
             if key in kwargs:
                 raise ValueError(f"dynamic loss scale option {key!r} given twice in {text!r}; give it once")
             kwargs[key] = _parse_int(value, key) if key in _INT_FIELDS else _parse_float(value, key)
-        return cls(kind=LossScaleKind.DYNAMIC, **kwargs)
+        return cls(kind=LossScaleKind(m.group(1)), **kwargs)
 
 
 def _num(x: float) -> str:
