@@ -3,6 +3,7 @@
     mixprec doctor --workload mlp                      # fp16 (dynamic scale), 20 steps, the table
     mixprec doctor --workload deep --recipe fp32 --steps 50 --out runs/doctor   # + doctor.json/.html
     mixprec doctor --workload gpt --modules blocks.0 --json gpt.json
+    mixprec doctor --workload gpt --what-if --out runs/what-if   # + each linear in fp8/fp4 formats
 
 Progress goes to stderr, the table and findings to stdout, the report to ``--json`` and/or ``--out
 DIR`` (``DIR/doctor.json`` and ``DIR/doctor.html``). Mistakes are one line, ``mixprec: error: ...``,
@@ -22,6 +23,8 @@ from ..cli_args import add_device_arg, check_outputs, torch_threads, usage_error
 from .run import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
 from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .render import render_doctor_table, render_findings
+from .render_what_if import render_what_if_table, what_if_lines
+from .what_if import DEFAULT_FLOOR_DB, DEFAULT_MAX_ROWS, WhatIfOptions
 from .report import DoctorReport
 from ..trainer import TrainProgress
 from ..workloads import BENCHMARKS, WORKLOADS
@@ -56,6 +59,16 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     doctor.add_argument("--out", metavar="DIR", type=Path, default=None,
                         help="write DIR/doctor.json and DIR/doctor.html (self-contained, with histograms)")
     doctor.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    doctor.add_argument("--what-if", action="store_true",
+                        help="also measure, per linear layer on the last step's batch, what fp8 (per "
+                             "tensor), fp8-rowwise, fp8-block, mxfp8 and nvfp4 would flush, saturate and "
+                             "cost in SQNR against bf16, and advise the cheapest format each layer tolerates")
+    doctor.add_argument("--what-if-floor", type=float, default=None, metavar="DB",
+                        help=f"the SQNR (dB) of output and weight gradient a tolerated format must reach "
+                             f"(default {DEFAULT_FLOOR_DB:g}; implies --what-if)")
+    doctor.add_argument("--what-if-rows", type=int, default=None, metavar="N",
+                        help=f"rows of each layer's input and output gradient measured (default "
+                             f"{DEFAULT_MAX_ROWS}; more are cut to the first N; implies --what-if)")
     doctor.set_defaults(handler=handle)
     return doctor
 
@@ -73,8 +86,13 @@ def handle(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> DoctorPlan:
     """Check the command's words and paths before training; ValueError/TypeError say what to fix."""
     modules = None if args.modules is None else args.modules.split(",")
+    what_if = None
+    if args.what_if or args.what_if_floor is not None or args.what_if_rows is not None:
+        what_if = WhatIfOptions(
+            floor_db=DEFAULT_FLOOR_DB if args.what_if_floor is None else args.what_if_floor,
+            max_rows=DEFAULT_MAX_ROWS if args.what_if_rows is None else args.what_if_rows)
     plan = plan_doctor(args.workload, args.recipe, steps=args.steps, device=args.device, seed=args.seed,
-                       modules=modules)
+                       modules=modules, what_if=what_if)
     check_outputs(args.json, args.out, ("doctor.json", "doctor.html"))
     return plan
 
@@ -104,7 +122,10 @@ def _write_and_print(args: argparse.Namespace, report: DoctorReport) -> int:
         for line in fp8_swap_lines(report.fp8_swap):
             out.print(line, soft_wrap=True)
         out.print(render_fp8_table(report))
-    for line in render_findings(report) + render_fp8_findings(report):
+    if report.what_if is not None:
+        out.print(render_what_if_table(report))
+    what_if = what_if_lines(report) if report.what_if is not None else []
+    for line in render_findings(report) + render_fp8_findings(report) + what_if:
         out.print(f"- {line}", soft_wrap=True)
     return 0
 

@@ -23,6 +23,7 @@ from rich.table import Table
 from ...diagnostics.range_histogram import RANGE_FORMATS, TensorStats
 from ...diagnostics.range_collector import KINDS
 from .render_fp8 import fp8_rows, fp8_swap_lines, render_fp8_findings, render_fp8_table
+from .render_what_if import what_if_section
 from .render import _exp_of, percent_text, pow2_text, render_doctor_table, render_findings
 from .report import DoctorReport
 from ..compare.html import _CSS, _FULL, _figure, _new_figure, _style, _text
@@ -75,8 +76,8 @@ def render_doctor_html(report: DoctorReport) -> str:
              + " ".join(f'<a href="#plot-{escape(m.name or "model")}">{escape(m.name or "model")}</a>'
                         for m in report.modules) + "</nav>")
     sections = [("findings", "findings"), ("layer-table", "layer table")] + (
-        [("fp8", "fp8")] if fp8 else []) + [("plot-gradients", "all gradients"),
-                                            ("per-layer", "per layer"), ("per-format", "per format")]
+        [("fp8", "fp8")] if fp8 else []) + ([("what-if", "what-if")] if report.what_if else []) + [
+            ("plot-gradients", "all gradients"), ("per-layer", "per layer"), ("per-format", "per format")]
     top = ('<nav class="top">' + " ".join(f'<a href="#{i}">{escape(t)}</a>' for i, t in sections) + "</nav>")
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
@@ -86,6 +87,7 @@ def render_doctor_html(report: DoctorReport) -> str:
         '<dl class="meta">' + "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
                                       for k, v in meta) + "</dl>",
         top, f'<ul class="notes" id="findings">{findings}</ul>', _layer_table(report), _fp8_section(report),
+        what_if_section(report),
         overview, '<h2 id="per-layer">Per layer</h2>', index, *layers,
         '<h2 id="per-format">Per layer and format</h2>', _format_table(report),
         "</main>", "</body>", "</html>", ""])

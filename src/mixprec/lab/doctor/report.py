@@ -51,6 +51,17 @@ JSON schema, version 1 (one object; strict JSON: non-finite floats are the strin
       uncovered      list     every other weight of 2+ dims (never fp8): name str, shape list of int,
                               reason str (e.g. a mixture of experts' 3-D expert weights)
       parameters     int      the model's parameter count (0 in files written before it was added)
+    what_if          object|null   ``doctor --what-if`` only (absent in older files: read as null):
+                              per linear layer, what each fp8/fp4 format would do (what_if.py):
+      floor_db       float    the SQNR floor of the advice;  max_rows int  rows of x and g kept per layer
+      step           int      the training step whose x, W, g were captured;  seconds float  its cost
+      layers         list     per nn.Linear / HF Conv1D, in model order:
+        name, type   str;  in_features, out_features, rows, rows_total   int (rows measured of those seen)
+        advice       str      the cheapest tolerated format or "bf16"; written for readers, recomputed
+        formats      list     per format ("fp8", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"):
+          format     str;  bits float   bits per element, scales included
+          sqnr_out_db, sqnr_grad_w_db   float   against the bf16 GEMM; "Infinity" when identical
+          counts     object   per role "input", "weight", "grad_output": [flushed, saturated, values]
 
 Adding a field keeps the version (``SCHEMA.added``: readers take a missing new field as empty); it is
 bumped when a field changes meaning or goes away. ``DoctorReport.from_json(report.to_json()) == report``;
@@ -67,6 +78,7 @@ from ...diagnostics.range_collector import ModuleRanges
 from ...diagnostics.scale_window import ScaleWindow, scale_window
 from ...fp8.swap import Fp8SwapReport
 from ..codec import JsonReport, Schema, attr
+from .what_if import LayerWhatIf, WhatIfReport
 
 __all__ = ["DoctorReport"]
 
@@ -76,10 +88,12 @@ class DoctorReport(JsonReport):
     """One doctor run: per-module ranges over ``steps`` steps of ``recipe``, and the scale window."""
 
     SCHEMA: ClassVar[Schema] = Schema(
-        "doctor", 1, added=frozenset({"fp8_layers", "fp8_swap", "fp8_swap.uncovered", "fp8_swap.parameters"}),
+        "doctor", 1, added=frozenset({"fp8_layers", "fp8_swap", "fp8_swap.uncovered", "fp8_swap.parameters",
+                                      "what_if"}),
         # Written for readers of the file, recomputed from the fields when read back:
         derived={ScaleWindow: {"recommended": attr("recommended")},
-                 ModuleRanges: {"window": lambda report, module: report.module_window(module)}})
+                 ModuleRanges: {"window": lambda report, module: report.module_window(module)},
+                 LayerWhatIf: {"advice": lambda report, layer: report.what_if.advice(layer)}})
 
     workload: str
     recipe: str
@@ -101,6 +115,7 @@ class DoctorReport(JsonReport):
     window: ScaleWindow
     fp8_layers: tuple[Fp8LayerStats, ...] = ()    # fp8 recipes: per fp8 linear, after the run
     fp8_swap: Fp8SwapReport | None = None          # fp8 recipes: which linears were swapped, why not
+    what_if: WhatIfReport | None = None             # --what-if: per linear layer and fp8/fp4 format
 
     @property
     def final_scale(self) -> float:

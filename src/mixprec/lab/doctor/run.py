@@ -15,11 +15,14 @@ units (divided by the scale), so the histograms show what fp16 *without* scaling
 report sets the scaler's choice beside the recommended window. Under ``scale=none`` the flushed
 gradients are already zeros when they are counted: the doctor says so. Under an fp8 recipe it also
 counts, exactly, the values every fp8 cast flushed or saturated (``report.fp8_layers``) and keeps the
-swap report (``report.fp8_swap``).
+swap report (``report.fp8_swap``). With ``what_if=WhatIfOptions()`` it captures every linear layer's
+input, weight and output gradient on the last step and measures what each fp8/fp4 format would do to
+them (``report.what_if``; see ``what_if.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -32,9 +35,11 @@ from ...fp8.stats import count_fp8_ranges, fp8_layer_stats
 from ...diagnostics.range_collector import RangeCollector, select_modules
 from ...diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
 from ...engine import MixedPrecision
+from ...loss_scale import NoLossScale
 from ...recipe import RECIPES, Recipe, get_recipe
 from .report import DoctorReport
-from ..trainer import TrainProgress, batch_order, check_seed, check_steps, resolve_run
+from .what_if import WhatIfCapture, WhatIfOptions, measure_what_if
+from ..trainer import TrainProgress, batch_order, check_recipe_patterns, check_seed, check_steps, resolve_run
 from ..workloads import Workload
 
 __all__ = ["DEFAULT_RECIPE", "DEFAULT_STEPS", "DoctorPlan", "plan_doctor", "run_doctor"]
@@ -53,11 +58,12 @@ class DoctorPlan:
     steps: int
     seed: int
     modules: tuple[str, ...] | None = None
+    what_if: WhatIfOptions | None = None      # None: no what-if
 
 
 def plan_doctor(workload: str | Workload = "mlp", recipe: str | Recipe = DEFAULT_RECIPE, *,
                 steps: int | None = None, device: str | torch.device | None = "auto", seed: int = 0,
-                modules: Sequence[str] | None = None) -> DoctorPlan:
+                modules: Sequence[str] | None = None, what_if: WhatIfOptions | None = None) -> DoctorPlan:
     """Check everything a doctor run needs before it trains; ValueError/TypeError name the fix.
 
     Builds the workload's model once (on the CPU, the caller's random state untouched) to check that
@@ -78,13 +84,17 @@ def plan_doctor(workload: str | Workload = "mlp", recipe: str | Recipe = DEFAULT
         raise ValueError(f"workload {workload.name!r}: its model ({type(model).__name__}) has no trainable "
                          "parameters, so there are no gradients or updates to diagnose; give it layers "
                          "with weights")
+    check_recipe_patterns(model, recipe)    # a name that matches nothing: refused before training
     if modules is not None:
         modules = tuple(m.strip() for m in modules if m.strip())
         if not modules:
             raise ValueError("--modules is empty; name modules as model.named_modules() prints them, "
                              "e.g. --modules 0,2")
         select_modules(model, modules)      # raises with close matches for an unknown name
-    return DoctorPlan(workload, recipe, device, steps, seed, modules)
+    if what_if is not None and not isinstance(what_if, WhatIfOptions):
+        raise TypeError(f"what_if must be a WhatIfOptions (e.g. WhatIfOptions(floor_db=20)) or None, "
+                        f"got {type(what_if).__name__}")
+    return DoctorPlan(workload, recipe, device, steps, seed, modules, what_if)
 
 
 def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | None = None) -> DoctorReport:
@@ -104,13 +114,19 @@ def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | 
     collector = RangeCollector(mp, plan.modules)
     if mp.fp8_report is not None:
         count_fp8_ranges(model)        # exact flushed/saturated counts in every fp8 cast of the run
+    capture = None
+    if plan.what_if is not None:       # the last step's operands; 1/S keeps gradients in true units
+        capture = WhatIfCapture(model, plan.modules, max_rows=plan.what_if.max_rows,
+                                inverse_scale=lambda: None if isinstance(mp.loss_scale, NoLossScale)
+                                else mp.loss_scale.value.reciprocal())   # a power of two: exact
     losses_t, scales_t = [], []
     model.train()
     if on_progress is not None:
         on_progress(TrainProgress(0, plan.steps, math.nan, math.nan))
     for step in range(plan.steps):
         idx = order[step]                                             # (B,)
-        with collector.collecting():
+        last = capture is not None and step == plan.steps - 1
+        with collector.collecting(), capture.capturing() if last else contextlib.nullcontext():
             with mp.autocast():
                 loss = w.loss_fn(model(data.x_train[idx]), data.y_train[idx])
             mp.backward(loss)
@@ -122,6 +138,7 @@ def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | 
             on_progress(TrainProgress(step + 1, plan.steps, float(losses_t[-1]), math.nan))
     ranges = collector.result()
     fp8 = fp8_layer_stats(model) if mp.fp8_report is not None else ()     # one host sync
+    what_if = None if capture is None else measure_what_if(capture, plan.what_if, step=plan.steps)
     return DoctorReport(
         workload=w.name, recipe=str(plan.recipe), label=plan.recipe.label, device=str(device),
         device_name=device_name(device), torch_version=torch.__version__, mixprec_version=__version__,
@@ -129,5 +146,6 @@ def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | 
         losses=tuple(torch.stack(losses_t).float().tolist()), scales=tuple(torch.stack(scales_t).tolist()),
         skipped_steps=mp.skipped_steps, scaled=plan.recipe.loss_scale.kind != "none",
         small_fraction=SMALL_FRACTION, margin=MARGIN, modules=ranges.modules,
-        window=scale_window(ranges.gradients()), fp8_layers=fp8, fp8_swap=mp.fp8_report)
+        window=scale_window(ranges.gradients()), fp8_layers=fp8, fp8_swap=mp.fp8_report,
+        what_if=what_if)
 
