@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make compare` (the main job) and `make test` (the test suite).
+# Two commands on a fresh machine: `make compare` (the main job) and `make test` (the test suite, all
+# but the tests marked slow: the model matrix). `make test-slow` runs those; CI runs both.
 # Each creates .venv and installs mixprec with what it needs: the lab extra (compare), and the test
 # extras (test: mixprec[lab,dev,integrations-test], plus vision-test unless torch is a CPU-only build).
 # Bring your own torch build first (CUDA, ROCm or CPU) with `.venv/bin/pip install torch...`;
@@ -12,13 +13,16 @@ TEST_STAMP := $(VENV)/.mixprec-test-installed
 KEEP_TORCH = $(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" \
 	> $(VENV)/constraints.txt 2>/dev/null || : > $(VENV)/constraints.txt
 
-.PHONY: compare test bench clean
+.PHONY: compare test test-slow bench clean
 
 compare: $(STAMP)
 	$(VENV)/bin/mixprec compare
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(TEST_STAMP)
+	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py

@@ -212,6 +212,8 @@ def test_the_recipe_table_is_the_same_in_the_readme_and_the_guide():
         start = text.index("| name | weights |")
         return text[start:text.index("\n\n", start)]
     assert table(ROOT / "README.md") == table(ROOT / "docs" / "recipes.md")
+    named = set(re.findall(r"`([\w-]+)`", "".join(row.split("|")[1] for row in table(ROOT / "README.md").splitlines())))
+    assert named == set(mixprec.RECIPES), "every named recipe has a row, and only those"
 
 
 def test_the_site_builds_strict(tmp_path):
