@@ -1,4 +1,5 @@
-"""The figures that README.md and docs/*.md quote, regenerated from the code instead of pasted.
+"""The figures that README.md and docs/*.md quote, regenerated from the code instead of pasted:
+numbers in the prose, and whole outputs of compare, doctor, inspect and trace as a user runs them.
 
 A figure in a page sits between two HTML comments, which Markdown does not show::
 
@@ -147,7 +148,32 @@ def _inspect_gpt2_seconds() -> str:
     return f"{time.perf_counter() - start:.0f} s"
 
 
+# ------------------------------------------------------------------------------------ the other tools
+# Each printed in full as the pages show it: the command line, then what it prints (in a scratch
+# directory, so --out writes nowhere that matters; 80 columns, as a terminal the pages were made in).
+TOOL_RUNS = {
+    "doctor.beam": ("doctor", "--workload", "beam", "--out", "runs/beam"),
+    "inspect.gpt": ("inspect", "--workload", "gpt", "--recipes", "fp32,bf16,fp16-pure", "--device", "cpu"),
+    "trace.mlp": ("trace", "--workload", "mlp", "--recipe", "bf16,fp32_ops=relu,modules=2:fp32", "--batch-size",
+                  "4"),
+}
+
+
+def _tool(run: str) -> Callable[[], str]:
+    def make() -> str:
+        args = TOOL_RUNS[run]
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.run([sys.executable, "-m", "mixprec.lab.cli", *args], capture_output=True, text=True,
+                                  check=True, cwd=tmp, env={**os.environ, "COLUMNS": "80"})
+        out = "\n".join(line.rstrip() for line in proc.stdout.rstrip().splitlines())
+        return "\n```\n$ mixprec " + " ".join(args) + "\n" + out + "\n```\n"
+    return make
+
+
 FIGURES: dict[str, Figure] = {
+    "doctor.beam": Figure(_tool("doctor.beam"), exact=False),
+    "inspect.gpt": Figure(_tool("inspect.gpt"), exact=False),
+    "trace.mlp": Figure(_tool("trace.mlp"), exact=False),
     "inspect.gpt2.seconds": Figure(_inspect_gpt2_seconds, exact=False),
     "inspect.gpt2.conditions": Figure(_conditions, exact=False),
     # aten's ops only: with torchvision loaded the list also holds torchvision::nms and roi_align.
