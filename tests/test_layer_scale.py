@@ -395,6 +395,9 @@ def test_sparse_gradients_are_refused_at_the_step():
 
 # ------------------------------------------------------------------------------ torch.compile
 @pytest.mark.slow
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14),
+                    reason="torch 2.15's dynamo refuses the layer hooks' peak record (input mutation in "
+                           "register_hook); docs/step.md says so: compile the step, not the model, there")
 def test_a_compiled_model_scales_per_layer_as_eager_does():
     x, y = _data()
     results = []

@@ -41,8 +41,9 @@ min/max reads of the gradients entering and leaving it, the step one max-norm an
 weight gradients (fp16-pure keeps its fp32 gradient copies whole for it): on the lab's gpt (CPU, one
 thread) a step costs 1.06x scale=dynamic's under fp16, 1.20x under fp32 compute. The first backward walks
 the autograd graph once (``check_graph``) and refuses, naming the parameter, a model that would mix
-scales (a parameter used outside its module's forward). Under ``torch.compile`` the hooks compile
-(``fullgraph=True``) and the walk is skipped.
+scales (a parameter used outside its module's forward). Under ``torch.compile`` on torch 2.13 the hooks
+compile (``fullgraph=True``) and the walk is skipped; torch 2.15's dynamo refuses a tensor hook that
+writes into a buffer (the peaks), so there only ``mp.compile_step()`` compiles, not the model.
 """
 
 from __future__ import annotations
