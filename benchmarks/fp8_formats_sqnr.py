@@ -20,7 +20,6 @@ Usage: python benchmarks/fp8_formats_sqnr.py [--seeds 3] [--step [--reps 10] [--
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 import warnings
@@ -33,6 +32,8 @@ from mixprec import Fp8Config
 from mixprec.fp8 import Fp8Linear
 from mixprec.lab.workloads import get_workload
 
+from fp8_sqnr import fwd_bwd, sqnr_db     # the per-tensor script's measure (benchmarks/ is on the path)
+
 FORMATS = {
     "current": "current", "delayed": "delayed", "rowwise": "rowwise", "block": "block", "mxfp8": "mxfp8",
     "nvfp4": "nvfp4", "nvfp4 (no rht)": "nvfp4(rht=false)", "nvfp4 (no sr)": "nvfp4(sr=false)",
@@ -40,22 +41,6 @@ FORMATS = {
 }
 GOALS = {"mxfp8": 25.0, "nvfp4": 10.0}
 STEP_RECIPES = ("bf16", "fp8", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")
-
-
-def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.double(), x.double()
-    noise = (ref - x).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
-
-
-def fwd_bwd(layer: nn.Module, weight: nn.Parameter, x: torch.Tensor, g: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = x.detach().clone().requires_grad_(True)
-    weight.grad = None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = layer(x)
-    out.backward(g.to(out.dtype))
-    return out.detach().float(), x.grad.float(), weight.grad.float()
 
 
 def measure(seed: int) -> dict[str, tuple[float, float, float]]:
@@ -120,6 +105,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10, help="timed steps per recipe (with --step)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave as is)")
     args = parser.parse_args()
+    if args.seeds < 1 or args.reps < 1:
+        parser.error("--seeds and --reps take a count of at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = [measure(seed) for seed in range(args.seeds)]
