@@ -5,7 +5,10 @@ emulated, bf16, ...) so drift in clock speed or load hits them alike, and median
 ``fp8`` row is ``backend=auto``: the backend the measured probe picked on this CPU (printed). Goal
 (issue 27): fp8 no slower than 3x bf16.
 
-    python benchmarks/bench_fp8_cpu_step.py [--reps 20] [--threads 1]
+    python benchmarks/bench_fp8_cpu_step.py [--reps 20] [--threads 1] [--recipes "bf16;fp8-rowwise;nvfp4"]
+
+``--recipes``: other recipes to time instead (';'-separated; bf16 is always timed, the yardstick), e.g.
+the blocked formats of issue 25.
 """
 
 from __future__ import annotations
@@ -44,13 +47,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave as is)")
+    p.add_argument("--recipes", default=None, help="';'-separated recipes to time (default: the fp8 backends)")
     args = p.parse_args(argv)
+    recipes = RECIPES if args.recipes is None else {"bf16": "bf16"} | {
+        r.strip(): r.strip() for r in args.recipes.split(";") if r.strip()}
     if args.threads:
         torch.set_num_threads(args.threads)
     data = GPT_CHAR.load_data()
     x, y = data.x_train[:GPT_CHAR.batch_size], data.y_train[:GPT_CHAR.batch_size]   # (32, 64) each
     steps, engines = {}, {}
-    for name, recipe in RECIPES.items():
+    for name, recipe in recipes.items():
         steps[name], engines[name] = step_fn(recipe, x, y)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(3):                                   # warm-up

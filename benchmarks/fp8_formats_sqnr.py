@@ -10,27 +10,21 @@ this batch's own; nvfp4's stochastic rounding has advanced). SQNR in dB = 10 log
 
 The issue's goals: rowwise and block >= per-tensor current; mxfp8 >= 25 dB; nvfp4 >= 10 dB.
 
-``--step``: also time one eager training step of the lab's gpt per recipe (bf16, fp8, fp8-rowwise,
-fp8-block, mxfp8, nvfp4), interleaved so drift in clock or load hits them alike, medians of ``--reps``;
-each fp8 recipe runs the backend ``auto`` picks on this device (printed).
+The step time of these recipes on the lab's gpt: ``python benchmarks/bench_fp8_cpu_step.py --recipes
+"bf16;fp8;fp8-rowwise;fp8-block;mxfp8;nvfp4"``.
 
-Usage: python benchmarks/fp8_formats_sqnr.py [--seeds 3] [--step [--reps 10] [--threads 1]]
+Usage: python benchmarks/fp8_formats_sqnr.py [--seeds 3] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-import warnings
 
 import torch
 from torch import nn
 
-import mixprec
 from mixprec import Fp8Config
 from mixprec.fp8 import Fp8Linear
-from mixprec.lab.workloads import get_workload
 
 from fp8_sqnr import fwd_bwd, sqnr_db     # the per-tensor script's measure (benchmarks/ is on the path)
 
@@ -40,7 +34,6 @@ FORMATS = {
     "nvfp4 (no sr, no rht)": "nvfp4(sr=false,rht=false)",
 }
 GOALS = {"mxfp8": 25.0, "nvfp4": 10.0}
-STEP_RECIPES = ("bf16", "fp8", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")
 
 
 def measure(seed: int) -> dict[str, tuple[float, float, float]]:
@@ -61,52 +54,13 @@ def measure(seed: int) -> dict[str, tuple[float, float, float]]:
     return out
 
 
-def time_gpt_steps(reps: int) -> None:
-    """Median eager training step of the lab's gpt per recipe, interleaved."""
-    gpt = get_workload("gpt")
-    data = gpt.load_data()
-    x, y = data.x_train[:gpt.batch_size], data.y_train[:gpt.batch_size]
-    steps, backends = {}, {}
-    for recipe in STEP_RECIPES:
-        torch.manual_seed(0)
-        model = gpt.build_model()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")      # the emulation notice: expected here
-            mp = mixprec.MixedPrecision(model, gpt.make_optimizer(model.parameters()), recipe)
-        backends[recipe] = mp.fp8_report.backend if mp.fp8_report else ""
-
-        def step(mp=mp, model=model) -> None:
-            with mp.autocast():
-                loss = gpt.loss_fn(model(x), y)
-            mp.backward(loss)
-            mp.step()
-            mp.zero_grad()
-        steps[recipe] = step
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(2):                                   # warm-up
-        for fn in steps.values():
-            fn()
-    for _ in range(reps):
-        for name, fn in steps.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    print(f"lab gpt, batch {gpt.batch_size}, {reps} interleaved eager steps, {torch.get_num_threads()} "
-          f"thread(s), medians")
-    for name, t in medians.items():
-        print(f"  {name:12s} {t * 1e3:8.2f} ms  {t / medians['bf16']:5.2f}x bf16  {backends[name]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=1, help="seeds to average over (default 1)")
-    parser.add_argument("--step", action="store_true", help="also time a gpt training step per recipe")
-    parser.add_argument("--reps", type=int, default=10, help="timed steps per recipe (with --step)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave as is)")
     args = parser.parse_args()
-    if args.seeds < 1 or args.reps < 1:
-        parser.error("--seeds and --reps take a count of at least 1")
+    if args.seeds < 1:
+        parser.error("--seeds takes a count of at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = [measure(seed) for seed in range(args.seeds)]
@@ -125,8 +79,6 @@ def main() -> None:
         mean = [sum(r[name][i] for r in runs) / len(runs) for i in range(3)]
         verdicts.append(f"{name} >= {floor:g} dB: {min(mean) >= floor}")
     print("goals: " + "; ".join(verdicts))
-    if args.step:
-        time_gpt_steps(args.reps)
 
 
 if __name__ == "__main__":

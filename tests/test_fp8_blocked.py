@@ -122,20 +122,28 @@ def test_one_quantized_weight_serves_forward_and_grad_x_for_2d_tiles(spec):
     assert torch.equal(along_k, along_n) == how.weight_tiles                      # 1-D blocks differ
 
 
+def _both_backends(spec, x, w, g, device="cpu"):
+    """(output, input grad, weight grad) of one forward and backward under bf16 autocast, emulated then
+    with backend="scaled_mm": the same weights, data and upstream gradient."""
+    outs = []
+    for backend in ("emulate", "scaled_mm"):
+        layer = Fp8Linear(w.shape[1], w.shape[0], bias=False, config=Fp8Config.parse(spec),
+                          backend=backend).to(device)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        xr = x.clone().requires_grad_(True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = layer(xr)
+        y.backward(g.to(y.dtype))
+        outs.append((y.float(), xr.grad, layer.weight.grad))
+    return outs
+
+
 def test_rowwise_kernel_agrees_with_the_emulation_to_output_rounding():
     if not supports(get_recipe("compute=bf16,fp8=rowwise(backend=scaled_mm)"), "cpu").ok:
         pytest.skip("torch._scaled_mm with row scales does not run on this CPU build")
     x, w, g = _data(3)
-    outs = []
-    for backend in ("emulate", "scaled_mm"):
-        layer = Fp8Linear(K, N, bias=False, config=Fp8Config.parse("rowwise"), backend=backend)
-        with torch.no_grad():
-            layer.weight.copy_(w)
-        xr = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = layer(xr)
-        y.backward(g.to(y.dtype))
-        outs.append((y.float(), xr.grad, layer.weight.grad))
+    outs = _both_backends("rowwise", x, w, g)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)
 
@@ -342,16 +350,7 @@ def test_hopper_block_kernel_agrees_with_the_emulation():
     torch.manual_seed(0)
     x, w, g = (torch.randn(256, 384, device="cuda"), torch.randn(256, 384, device="cuda") * 0.05,
                torch.randn(256, 256, device="cuda"))
-    outs = []
-    for backend in ("emulate", "scaled_mm"):
-        layer = Fp8Linear(384, 256, bias=False, config=Fp8Config.parse("block"), backend=backend).cuda()
-        with torch.no_grad():
-            layer.weight.copy_(w)
-        xr = x.clone().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(xr)
-        y.backward(g.to(y.dtype))
-        outs.append((y.float(), xr.grad, layer.weight.grad))
+    outs = _both_backends("block", x, w, g, device="cuda")
     # Hopper's fp8 MMA accumulates in a narrower register than fp32 between its fp32 promotions.
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, rtol=2**-7, atol=1e-3 * a.abs().max().item())
@@ -360,16 +359,6 @@ def test_hopper_block_kernel_agrees_with_the_emulation():
 def test_a_block_layer_asked_for_the_kernel_off_hopper_emulates_it_bit_for_bit():
     # Built by hand with backend="scaled_mm" (the swap would pick the emulation here): the Hopper
     # block kernel is not tried on a CPU (it raised "Invalid scaling configuration"), every GEMM emulates.
-    torch.manual_seed(0)
-    base = nn.Linear(256, 256, bias=False)
-    x = torch.randn(256, 256)
-    grads = []
-    for backend in ("scaled_mm", "emulate"):
-        layer = Fp8Linear.from_linear(nn.Linear(256, 256, bias=False), Fp8Config.parse("block"), backend)
-        layer.weight = nn.Parameter(base.weight.detach().clone())
-        xi = x.clone().requires_grad_()
-        out = layer(xi)
-        out.square().sum().backward()
-        grads.append((out.detach(), xi.grad, layer.weight.grad))
-    for a, b in zip(*grads):
+    x, w, g = _data(4, m=256, k=256, n=256)
+    for a, b in zip(*_both_backends("block", x, w, g)):
         assert torch.equal(a, b)
