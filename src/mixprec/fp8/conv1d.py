@@ -47,7 +47,7 @@ class Fp8Conv1D(Fp8Linear):
         layer.weight = conv.weight                          # (in, out), as Conv1D stores it
         layer.register_parameter("bias", conv.bias)
         layer.train(conv.training)
-        layer._setup_fp8(config, backend)
+        layer._setup_fp8(config, backend, layer.weight.device)
         return layer
 
     def _weight_out_in(self) -> torch.Tensor:

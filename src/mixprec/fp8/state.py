@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import Fp8Linear
+from .layer_state import Fp8LayerState
 
 __all__ = ["fp8_layers", "fp8_state_dict", "load_fp8_state_dict"]
 
 
-def fp8_layers(model: nn.Module) -> dict[str, Fp8Linear]:
-    """The model's fp8 linears by qualified name, in module order."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+def fp8_layers(model: nn.Module) -> dict[str, Fp8LayerState]:
+    """The model's fp8 layers (linears and grouped expert GEMMs) by qualified name, in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Fp8LayerState)}
 
 
 def fp8_state_dict(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
