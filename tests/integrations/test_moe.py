@@ -1,6 +1,11 @@
-"""A mixture of experts under fp8: the report names the expert weights fp8 does not cover (HF Mixtral,
-whose experts are 3-D Parameters multiplied in MixtralExperts.forward), and the model still trains."""
+"""A mixture of experts under fp8 (HF Mixtral, whose experts are 3-D Parameters multiplied in
+MixtralExperts.forward): per-tensor fp8 runs the experts as grouped fp8 GEMMs, named in the report;
+the routing around them equals HF's own experts forward; the model trains (eager and compiled alike)
+and its fp8 state round-trips; blocked scalings leave the experts out and say why."""
 
+import copy
+
+import pytest
 import torch
 from optional_deps import need
 
@@ -8,32 +13,118 @@ need("transformers")
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 import mixprec  # noqa: E402
+from mixprec.fp8 import Fp8Reason  # noqa: E402
+from mixprec.fp8.grouped import Fp8GroupedLinear  # noqa: E402
+
+CFG = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+           num_key_value_heads=1, head_dim=32, num_local_experts=4, num_experts_per_tok=2)
+IDS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-def test_mixtral_expert_weights_are_named_in_the_fp8_report():
-    cfg = MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=4,
-                        num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = MixtralForCausalLM(cfg)
+def _mixtral(seed: int = 0, **over) -> MixtralForCausalLM:
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(**{**CFG, **over}))
+
+
+def _train(model, recipe: str, steps: int, compiled: bool = False) -> tuple[list[float], mixprec.MixedPrecision]:
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), recipe)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    losses = []
+    for _ in range(steps):
+        with mp.autocast():
+            loss = run(input_ids=IDS, labels=IDS).loss
+        mp.backward(loss)
+        assert not mp.step().skipped
+        mp.zero_grad()
+        losses.append(loss.item())
+    return losses, mp
+
+
+def test_mixtral_experts_become_grouped_fp8_gemms_and_the_report_names_them():
+    model = _mixtral()
     mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "fp8")
     report = mp.fp8_report
-    assert len(report.swapped) == 9                      # q, k, v, o per layer, and lm_head
-    uncovered = {u.name: u for u in report.uncovered}
-    for i in range(2):
-        gate_up = uncovered[f"model.layers.{i}.mlp.experts.gate_up_proj"]
-        assert gate_up.shape == (4, 256, 64) and gate_up.reason.startswith("3-D, multiplied in MixtralExperts")
-        assert uncovered[f"model.layers.{i}.mlp.experts.down_proj"].shape == (4, 64, 128)
-        assert "MixtralTopKRouter" in uncovered[f"model.layers.{i}.mlp.gate.weight"].reason
-    assert uncovered["model.embed_tokens.weight"].reason.startswith("an embedding")
-    assert len(uncovered) == 7
-    # The experts hold most of the model: 2 x 4 x (256 x 64 + 64 x 128) = 196608 of its parameters.
-    experts = sum(u.numel for n, u in uncovered.items() if ".experts." in n)
-    assert experts == 196608 and experts / report.parameters > 0.6
-    assert report.fp8_fraction < 0.2
-    assert "(4, 256, 64)" in str(report) and "not covered: 7 weights" in str(report)
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    with mp.autocast():
-        loss = model(input_ids=ids, labels=ids).loss
-    mp.backward(loss)
-    assert not mp.step().skipped
+    assert len(report.swapped) == 13                     # q, k, v, o per layer, lm_head, 2 projections per layer
+    experts = {d.name: d for d in report.layers if d.groups > 1}
+    assert sorted(experts) == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")]
+    gate_up = experts["model.layers.0.mlp.experts.gate_up_proj"]
+    assert (gate_up.groups, gate_up.out_features, gate_up.in_features) == (4, 256, 64) and gate_up.swapped
+    assert isinstance(model.model.layers[0].mlp.experts.down_proj_fp8, Fp8GroupedLinear)
+    # Only the embedding and the routers stay out (and the 1-D norm scales, which multiply elementwise).
+    assert sorted(u.name for u in report.uncovered) == [
+        "model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+    one_d = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    assert report.fp8_fraction == pytest.approx(1 - (64 * 64 + 2 * 4 * 64 + one_d) / report.parameters)
+    text = str(report)
+    assert "13 of 13 linear layers and grouped expert GEMMs swapped" in text and "4 x (256, 64)" in text
+    # The model's own parameters and state_dict keys are unchanged: the fp8 layers hold state only.
+    assert sorted(model.state_dict()) == sorted(_mixtral().state_dict())
+
+
+def test_a_blocked_scaling_or_a_skip_leaves_the_experts_out_and_says_why():
+    model = _mixtral()
+    report = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8-rowwise").fp8_report
+    reasons = {d.name: d.reason for d in report.layers if d.groups > 1}
+    assert len(reasons) == 4 and set(reasons.values()) == {Fp8Reason.SCALING}
+    assert not hasattr(model.model.layers[0].mlp.experts, "down_proj_fp8")
+    model = _mixtral()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()),
+                                "fp8", fp8_filter=lambda name, m: "layers.1.mlp.experts" not in name)
+    swapped = set(mp.fp8_report.swapped)
+    assert "model.layers.0.mlp.experts.down_proj" in swapped and "model.layers.1.mlp.experts.down_proj" not in swapped
+    model = _mixtral()
+    with pytest.raises(ValueError, match="did you mean 'model.layers.0.mlp.experts.down_proj'"):
+        mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()),
+                               "compute=bf16,fp8=current(skip=model.layers.0.mlp.experts.down_prj)")
+
+
+def test_the_fp8_experts_forward_routes_as_hf_does_when_the_casts_are_exact():
+    # With every cast replaced by the identity, what remains is mixprec's routing (sort by expert,
+    # grouped GEMMs, gate, routing weights, back to token order): it must equal HF's eager loop.
+    model = _mixtral(3)
+    hf_experts = copy.deepcopy(model.model.layers[0].mlp.experts)
+    mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), "fp8")
+    experts = model.model.layers[0].mlp.experts
+    for layer in (experts.gate_up_proj_fp8, experts.down_proj_fp8):
+        layer._cast = lambda role, x, record: (x.float(), torch.tensor(1.0), x.abs().max().float(), None)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(12, 64, generator=g)
+    index = torch.randint(0, 4, (12, 2), generator=g)
+    index[:, 1] = (index[:, 0] + 1) % 4                   # two distinct experts per token, as top-k gives
+    weights = torch.rand(12, 2, generator=g)
+    got = experts(hidden, index, weights)
+    want = hf_experts(hidden, index, weights)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_mixtral_trains_in_fp8_and_resumes_bit_for_bit(tmp_path):
+    fp8, mp = _train(_mixtral(), "fp8-delayed", 4)
+    bf16, _ = _train(_mixtral(), "bf16", 4)
+    assert fp8[-1] < fp8[0] - 0.2
+    assert abs(fp8[-1] - bf16[-1]) < 0.02                # fp8 experts and attention track bf16
+    state = mp.state_dict()["fp8"]
+    layer = state["model.layers.1.mlp.experts.gate_up_proj_fp8"]
+    assert layer["input_history"][:4].gt(0).all()        # every step entered its amax
+    # Resume from a checkpoint: a fresh model and engine step exactly as the original.
+    path = mixprec.save_checkpoint(tmp_path / "moe.pt", mp)
+    model2 = _mixtral(1)
+    mp2 = mixprec.MixedPrecision(model2, torch.optim.AdamW(model2.parameters(), lr=1e-3), "fp8-delayed")
+    mixprec.load_checkpoint(path, mp2)
+    losses = []
+    for engine in (mp, mp2):
+        with engine.autocast():
+            loss = engine.model(input_ids=IDS, labels=IDS).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    assert all(torch.equal(a, b) for a, b in zip(mp.model.parameters(), model2.parameters()))
+
+
+@pytest.mark.slow
+def test_mixtral_fp8_experts_compile_fullgraph_to_the_eager_losses():
+    eager, _ = _train(_mixtral(), "fp8", 3)
+    torch._dynamo.reset()
+    compiled, _ = _train(_mixtral(), "fp8", 3, compiled=True)
+    assert compiled == eager

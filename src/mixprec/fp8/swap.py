@@ -12,10 +12,14 @@ recipe's ``fp32_modules``. ``force`` names layers that must be fp8: an error if 
     report.swapped           # ('blocks.0.attn.c_attn', ...)
     report.uncovered         # the other weights no fp8 layer computes with, and why
 
-Only linear layers become fp8. The report also names every other weight (a parameter of 2 or more
-dimensions) that stays in the base recipe: embeddings, convolutions, and weights a module multiplies
-in its own forward, such as a mixture of experts' 3-D expert weights (Mixtral's ``gate_up_proj``,
-``(experts, 2 x intermediate, hidden)``, most of such a model's parameters) and its router.
+A mixture of experts' 3-D expert weights in a Hugging Face experts module (Mixtral's ``gate_up_proj``,
+``(experts, 2 x intermediate, hidden)``, most of such a model's parameters) become fp8 grouped GEMMs
+under per-tensor fp8 (fp8/experts.py); each projection is one line of the report, its shape per expert
+and ``groups`` the number of experts. ``skip``, ``fp8_filter`` and ``force`` take those names too
+(``model.layers.0.mlp.experts.down_proj``); excluding either projection keeps the module's experts out.
+The report also names every other weight (a parameter of 2 or more dimensions) that stays in the base
+recipe: embeddings, convolutions, and weights a module multiplies in its own forward (a router, or
+a custom mixture of experts' weights).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 from ..devices import probe_fp8_kernel, probe_fp8_speed
 from ..recipe.fp8 import Fp8Config
 from .conv1d import Fp8Conv1D, is_hf_conv1d
+from .experts import expert_projections, experts_blocker, is_hf_experts, to_fp8_experts
 from .linear import Fp8Linear
 from .matmul import probe_scaled_mm
 
@@ -61,17 +66,21 @@ class Fp8Reason(enum.Enum):
     SUBCLASS = "a subclass of nn.Linear (its own forward)"
     FP32 = "kept fp32 by fp32_modules"
     ROOT = "the model itself is the linear (wrap it in a module)"
+    SCALING = "grouped expert GEMMs take per-tensor scaling only"
+    EXPERTS = "these experts cannot run in fp8"
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8LayerDecision:
-    """One linear layer: its qualified name, weight shape ``(out, in)``, and what happened to it."""
+    """One linear layer, or one projection of a mixture of experts (``groups`` experts, each with a
+    weight ``(out, in)``): its qualified name, weight shape ``(out, in)``, and what happened to it."""
 
     name: str
     out_features: int
     in_features: int
     reason: Fp8Reason
     detail: str = ""     # e.g. the skip pattern that matched
+    groups: int = 1      # experts sharing this projection's grouped GEMM; 1 for a linear layer
 
     @property
     def swapped(self) -> bool:
@@ -110,8 +119,14 @@ class Fp8SwapReport:
     @property
     def fp8_fraction(self) -> float:
         """The share of the model's parameters held by fp8 layers' weights (0 for an empty model)."""
-        fp8 = sum(d.out_features * d.in_features for d in self.layers if d.swapped)
+        fp8 = sum(d.groups * d.out_features * d.in_features for d in self.layers if d.swapped)
         return fp8 / self.parameters if self.parameters else 0.0
+
+    @property
+    def kinds(self) -> str:
+        """What the decisions are about, for the summary line."""
+        grouped = any(d.groups > 1 for d in self.layers)
+        return "linear layers and grouped expert GEMMs" if grouped else "linear layers"
 
     @property
     def not_swapped(self) -> dict[str, Fp8Reason]:
@@ -122,12 +137,13 @@ class Fp8SwapReport:
         width = max([len("layer")] + [len(d.name) for d in self.layers] + [len(u.name) for u in self.uncovered])
         share = f" ({self.fp8_fraction:.0%} of the parameters)" if self.parameters else ""
         # A blocked format's name leads the swapped layers' detail (see swap_to_fp8).
-        kind = next((" to " + d.detail.split()[0] for d in self.layers if d.swapped and d.detail), "")
-        lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} linear layers swapped{kind}{share}, backend "
+        kind = next((" to " + d.detail.split()[0] for d in self.layers
+                     if d.swapped and d.detail and d.detail.split()[0] in _FORMAT_WORDS), "")
+        lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} {self.kinds} swapped{kind}{share}, backend "
                  f"{self.backend}"] + ([f"  {self.note}"] if self.note else []) + \
                 [f"  {'layer':<{width}}  {'weight (out, in)':>16}  decision"]
         for d in self.layers:
-            shape = f"({d.out_features}, {d.in_features})"
+            shape = (f"{d.groups} x " if d.groups > 1 else "") + f"({d.out_features}, {d.in_features})"
             why = d.reason.value + (f": {d.detail}" if d.detail else "")
             lines.append(f"  {d.name:<{width}}  {shape:>16}  {why}")
         if self.uncovered:
@@ -201,6 +217,7 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
                         f"for layers to keep out of fp8, or None; got {filter!r}")
     linears = check_fp8_patterns(model, config)
     decisions, replace = [], {}
+    where = {name: i for i, (name, _) in enumerate(model.named_modules())}
     for i, (name, module) in enumerate(linears):
         out_f, in_f = _out_in(module)
         reason, detail = _decide(i, len(linears), name, module, config, filter, keeps_fp32)
@@ -221,7 +238,16 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
             if config.blocked:
                 detail = _FORMAT_WORDS[config.scaling.value]      # the report names the format per layer
         decisions.append(Fp8LayerDecision(name, out_f, in_f, reason, detail))
-    uncovered = _uncovered(model, {id(m.weight) for _, m in linears})
+    covered = {id(m.weight) for _, m in linears}
+    for name, module in _experts(model):
+        decisions.extend(_experts_decisions(name, module, config, filter, keeps_fp32))
+        if decisions[-1].swapped:
+            to_fp8_experts(module, config)
+        # The decisions name these weights, and their biases go with them.
+        covered.update(id(p) for p in module.parameters(recurse=False))
+    # Module order: a linear by its own name, an expert projection (a parameter) by its module's.
+    decisions.sort(key=lambda d: where.get(d.name, where.get(d.name.rpartition(".")[0])))
+    uncovered = _uncovered(model, covered)
     parameters = sum(p.numel() for p in model.parameters())     # parameters() yields a shared one once
     # Replace every reference (a module shared by two parents is swapped in both).
     for parent in model.modules():
@@ -249,6 +275,40 @@ def none_swapped_reason(report: Fp8SwapReport, label: str) -> str | None:
             "base recipe. Make the layers eligible (weight dimensions multiples of 16, plain nn.Linear, not "
             "excluded by skip=/skip_first/skip_last/fp8_filter) or pick a recipe without fp8 (e.g. 'bf16'); "
             "mp.fp8_report lists every decision")
+
+
+def _experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's Hugging Face experts modules (3-D expert weights), in module order."""
+    return [(n, m) for n, m in model.named_modules() if n and is_hf_experts(m)]
+
+
+def _experts_decisions(name: str, module: nn.Module, config: Fp8Config,
+                       filter: Callable[[str, nn.Module], bool] | None,
+                       keeps_fp32: Callable[[nn.Module], bool] | None) -> list[Fp8LayerDecision]:
+    """One decision per projection of an experts module; both swapped or neither (one forward runs both)."""
+    projections = expert_projections(module)
+    names = [f"{name}.{p}" for p, *_ in projections]
+    reason, detail = Fp8Reason.SWAPPED, f"grouped GEMM over {projections[0][1]} experts"
+    blocker = experts_blocker(module)
+    pattern = next((p for p in config.skip for n in names if fnmatch.fnmatchcase(n, p)), None)
+    if config.blocked:
+        reason, detail = Fp8Reason.SCALING, f"fp8={config.scaling.value} covers nn.Linear layers"
+    elif blocker is not None:
+        reason, detail = Fp8Reason.EXPERTS, blocker
+    elif keeps_fp32 is not None and keeps_fp32(module):
+        reason, detail = Fp8Reason.FP32, ""
+    elif pattern is not None:
+        reason, detail = Fp8Reason.SKIP, pattern
+    elif filter is not None and not all(filter(n, module) for n in names):
+        reason, detail = Fp8Reason.FILTER, ""
+    elif any(n in config.force for n in names):
+        reason = Fp8Reason.FORCED
+    forced = [n for n in names if n in config.force]
+    if forced and reason not in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
+        raise ValueError(f"fp8 forced on {forced[0]!r}, a grouped expert GEMM that cannot be fp8: "
+                         f"{reason.value}" + (f" ({detail})" if detail else "") + "; drop it from force=")
+    return [Fp8LayerDecision(n, out_f, in_f, reason, detail, groups=e)
+            for n, (_, e, out_f, in_f) in zip(names, projections)]
 
 
 def _uncovered(model: nn.Module, linear_weights: set[int]) -> tuple[Fp8UncoveredWeight, ...]:
@@ -281,7 +341,7 @@ def check_fp8_patterns(model: nn.Module, config: Fp8Config) -> list[tuple[str, n
     """ValueError for a ``force`` name or a ``skip`` glob that names no linear of ``model`` (a typo would
     leave the layer in fp8); returns the linears ``(name, module)`` in module order. Changes nothing."""
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
-    names = [n for n, _ in linears]
+    names = [n for n, _ in linears] + [f"{n}.{p}" for n, m in _experts(model) for p, *_ in expert_projections(m)]
     for name in config.force:
         if name not in names:
             close = difflib.get_close_matches(name, names, n=3)

@@ -38,7 +38,7 @@ def fp8_swap_lines(swap: Fp8SwapReport | None) -> list[str]:
     if swap is None:
         return []
     share = f", {swap.fp8_fraction:.0%} of the parameters" if swap.parameters else ""
-    lines = [f"fp8: {len(swap.swapped)} of {len(swap.layers)} linear layers swapped "
+    lines = [f"fp8: {len(swap.swapped)} of {len(swap.layers)} {swap.kinds} swapped "
              f"({', '.join(repr(n) for n in swap.swapped) or 'none'}{share}), backend {swap.backend}"]
     if swap.note:
         lines.append(f"  {swap.note}")       # how the backend was chosen

@@ -45,9 +45,9 @@ JSON schema, version 1 (one object; strict JSON: non-finite floats are the strin
         counted      int      values counted
     fp8_swap         object|null   fp8 recipes only: the engine's swap report (mp.fp8_report):
       backend, note  str
-      layers         list     every nn.Linear in module order: name str, out_features int,
-                              in_features int, reason str (an Fp8Reason name: "SWAPPED", "SHAPE", ...),
-                              detail str
+      layers         list     every nn.Linear and expert projection in module order: name str,
+                              out_features int, in_features int, reason str (an Fp8Reason name:
+                              "SWAPPED", "SHAPE", ...), detail str, groups int (experts; 1 for a linear)
       uncovered      list     every other weight of 2+ dims (never fp8): name str, shape list of int,
                               reason str (e.g. a mixture of experts' 3-D expert weights)
       parameters     int      the model's parameter count (0 in files written before it was added)
@@ -89,6 +89,7 @@ class DoctorReport(JsonReport):
 
     SCHEMA: ClassVar[Schema] = Schema(
         "doctor", 1, added=frozenset({"fp8_layers", "fp8_swap", "fp8_swap.uncovered", "fp8_swap.parameters",
+                                      "fp8_swap.layers[].groups",
                                       "what_if"}),
         # Written for readers of the file, recomputed from the fields when read back:
         derived={ScaleWindow: {"recommended": attr("recommended")},
