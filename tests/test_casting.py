@@ -129,3 +129,60 @@ def test_outputs_are_cast_where_the_loss_needs_it_not_copied_wholesale():
     assert with_loss["loss"].dtype == torch.float32 and with_loss["logits"].dtype == torch.bfloat16
     assert bare["logits"].dtype == torch.float32
     assert torch.equal(bare["logits"], with_loss["logits"].float())
+
+
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 10)
+
+    def forward(self, x, scale: float = 1.0):
+        return self.fc(self.bn(self.conv(x)).mean((2, 3))) * scale
+
+
+def _dynamo_graphs(recipe):
+    """The graphs Dynamo hands a backend for one compiled forward of ``_ConvNet`` under ``recipe``
+    (None: the hand-written torch.autocast loop), as call counts."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ConvNet()
+    x = torch.randn(2, 3, 8, 8)
+    compiled = torch.compile(model, backend=backend)
+    if recipe is None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = compiled(x)
+    else:
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)
+        with mp.autocast():
+            out = compiled(x)
+    return graphs, out
+
+
+def test_a_compiled_model_traces_the_edge_casts_into_its_one_graph():
+    # As forward hooks the input cast and the logits cast were compiled as one-node graphs of their
+    # own (3 graphs: [1, 9, 1]); wrapped into forward they are part of the model's graph.
+    amp, _ = _dynamo_graphs(None)
+    assert len(amp) == 1
+    for recipe in ("bf16", "bf16-pure", "fp16-pure"):
+        graphs, out = _dynamo_graphs(recipe)
+        assert len(graphs) == 1, (recipe, graphs)
+        # bf16 hands on autocast's logits; a pure recipe's are lifted to fp32 on a CPU: the cast still runs.
+        assert out.dtype == (torch.bfloat16 if recipe == "bf16" else torch.float32)
+
+
+def test_the_edge_casts_keep_the_forward_signature_and_come_off_with_close():
+    import inspect
+    model = _ConvNet()
+    before = inspect.signature(model.forward)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-pure")
+    assert inspect.signature(model.forward) == before      # the HF Trainer picks dataset columns by it
+    assert model(torch.randn(2, 3, 8, 8), scale=2.0).dtype == torch.float32
+    for handle in mp._hooks:
+        handle.remove()
+    assert "forward" not in model.__dict__

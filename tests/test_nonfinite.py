@@ -143,8 +143,9 @@ def test_off_installs_nothing():
     mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16")
     hooks = [(m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks)
              for m in model.modules()]
-    # fp16 (autocast) installs one hook of its own: the fp32 output cast on the root.
-    assert sum(len(d) for h in hooks for d in h) == len(mp._hooks) == 1
+    # fp16 (autocast) installs no hook: its one piece, the root's fp32 output cast, wraps forward.
+    assert sum(len(d) for h in hooks for d in h) == 0 and len(mp._hooks) == 1
+    assert "forward" in model.__dict__
     with mp.autocast():
         assert _get_current_dispatch_mode() is None
         loss = F.cross_entropy(model(torch.ones(4, 8)), torch.zeros(4, dtype=torch.long))

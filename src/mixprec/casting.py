@@ -23,8 +23,9 @@ them as each op needs). So ``lm_head:fp32`` in a bf16 recipe, pure or not, yield
 
 Regions wrap the module's ``forward`` so that ``torch.autocast`` is entered and exited inside one call
 (torch.compile traces that; it cannot trace a context entered in a pre-hook and left in a post-hook).
-Hooks and wrappers are module-level functions held by ``functools.partial``, so a prepared model
-still pickles.
+The model's own input and output casts wrap its ``forward`` the same way, so ``torch.compile(model)``
+traces them into the model's graph (as hooks each would be a graph of its own). Wrappers are
+module-level functions held by ``functools.partial``, so a prepared model still pickles.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -176,16 +178,16 @@ def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None,
         # Buffers are not weights (no master copy keeps them): each is decided on its own (buffers.py).
         kept = frozenset(n for n, prec in precisions.items() if prec is Precision.FP32)
         cast_buffers(model, dtype, skip=kept)
-        # Inputs come from fp32 data pipelines; the first layer's weights are low precision.
-        handles.append(model.register_forward_pre_hook(
-            functools.partial(_cast_inputs_hook, dtype=dtype), with_kwargs=True))
-    if recipe.compute.is_low:
+    if recipe.param.is_low or recipe.compute.is_low:
+        # Inputs come from fp32 data pipelines; a pure recipe's first layer has low-precision weights.
         # Logits: an autocast recipe hands the caller what torch.autocast gives, so its loss is
         # torch.amp's bit for bit (F.cross_entropy is on autocast's fp32 list everywhere); only a pure
         # recipe's 16-bit logits are lifted where autocast would run log_softmax in 16 bits.
-        cast_tensors = recipe.param.is_low and not autocast_softmax_is_fp32(device_type, recipe.compute.dtype)
-        handles.append(model.register_forward_hook(
-            functools.partial(_cast_output_hook, dtype=torch.float32, cast_tensors=cast_tensors)))
+        low = recipe.compute.is_low
+        cast_tensors = low and recipe.param.is_low and not autocast_softmax_is_fp32(device_type, recipe.compute.dtype)
+        edges = _Edges(recipe.param.dtype if recipe.param.is_low else None, torch.float32 if low else None,
+                       cast_tensors)
+        handles.append(_install_edges(model, edges))
     return handles
 
 
@@ -248,8 +250,38 @@ def _first_floating_dtype(value: Any) -> torch.dtype | None:
     return None
 
 
-def _cast_inputs_hook(module: nn.Module, args: tuple, kwargs: dict, *, dtype: torch.dtype):
-    return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+@dataclasses.dataclass(frozen=True)
+class _Edges:
+    """The casts at the model's own edges: floating inputs in, outputs out (``_cast_output``)."""
+
+    cast_in: torch.dtype | None     # a pure recipe's param dtype; None: inputs pass as they are
+    cast_out: torch.dtype | None    # fp32 under a 16-bit compute recipe; None: outputs pass as they are
+    cast_tensors: bool              # logits too, not only a loss the model computed
+
+
+def _install_edges(model: nn.Module, edges: _Edges) -> _RegionHandle:
+    """Wrap the model's ``forward`` (as regions do) with its edge casts.
+
+    Not forward hooks: ``torch.compile(model)`` runs a module's hooks outside the frame it compiles
+    and compiles each hook as a graph of its own (a one-node graph per cast, each with its own guards
+    and call); inside ``forward`` the casts are traced into the model's graph. The wrapper keeps the
+    forward's signature, which libraries read (the HF Trainer picks dataset columns by it).
+    """
+    inner = model.__dict__.get("forward")
+    wrapper = functools.partial(_edges_forward, model, inner, edges)
+    try:
+        wrapper.__signature__ = inspect.signature(model.forward)
+    except (TypeError, ValueError):      # a builtin or C forward without one: nothing to keep
+        pass
+    model.forward = wrapper
+    return _RegionHandle(model, inner)
+
+
+def _edges_forward(module: nn.Module, inner: Any, edges: _Edges, *args: Any, **kwargs: Any) -> Any:
+    if edges.cast_in is not None:
+        args, kwargs = cast_floating(args, edges.cast_in), cast_floating(kwargs, edges.cast_in)
+    out = inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+    return _cast_output(out, edges.cast_out, edges.cast_tensors) if edges.cast_out is not None else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,8 +350,7 @@ def autocast_softmax_is_fp32(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def _cast_output_hook(module: nn.Module, args: tuple, output: Any, *, dtype: torch.dtype,
-                      cast_tensors: bool) -> Any:
+def _cast_output(output: Any, dtype: torch.dtype, cast_tensors: bool) -> Any:
     """The model's floating outputs for the loss: scalars (a loss the model computed) always in fp32;
     other tensors (logits) in fp32 only where ``cast_tensors`` (autocast would run the loss's softmax
     in 16 bits) and the model did not compute its loss itself.
