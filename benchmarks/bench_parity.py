@@ -55,7 +55,7 @@ SIZES = {
     "lm-large": ((6, 8, 512, 64, 8), (2, 4, 64, 16, 2)),
 }
 VOCAB = 256
-COLUMNS = [("model", 9), ("mode", 13), ("optimizer", 10), ("recipe", 10), ("baseline", 17),
+COLUMNS = [("model", 9), ("mode", 13), ("optimizer", 10), ("recipe", 12), ("baseline", 17),
            ("ratio median", 13), ("ratio range", 12), ("ms mixprec", 11), ("ms torch.amp", 13),
            ("ops mixprec", 12), ("ops torch.amp", 14), ("weights equal", 13)]
 

@@ -123,7 +123,9 @@ def probe_fp8_kernel(scaling: str, device: torch.device | str) -> Support:
 
     current/delayed: ``probe_scaled_mm``; rowwise: the same with (M, 1) and (1, N) fp32 scales; block:
     ``torch.nn.functional.scaled_mm`` with 1x128 and 128x128 scales, compute capability 9.x only
-    (cuBLASLt's DeepSeek-style kernels); mxfp8, nvfp4: their kernels need Blackwell (10.x) and packed
+    (cuBLASLt's DeepSeek-style kernels); ``"grouped"`` (a mixture of experts' forward GEMM, fp8/grouped.py):
+    ``torch._scaled_grouped_mm`` with e4m3 operands and row scales, CUDA 9.x only (torch has no other
+    kernel for it); mxfp8, nvfp4: their kernels need Blackwell (10.x) and packed
     scale layouts mixprec does not build: never. One tiny matmul per device and kind, cached.
     """
     if scaling in _NO_KERNEL:
@@ -143,6 +145,8 @@ def _probe_kernel(device: str, scaling: str) -> Support:
                                or not hasattr(torch.nn.functional, "scaled_mm")):
         return Support(False, "128-block fp8 matmuls (torch.nn.functional.scaled_mm, BlockWise1x128/128x128) "
                               "run on CUDA compute capability 9.x (Hopper) only")
+    if scaling == "grouped":
+        return _probe_grouped(dev)
     try:
         n = 128 if scaling == "block" else 16
         a = torch.ones(n, n, device=dev).to(torch.float8_e4m3fn)
@@ -164,6 +168,27 @@ def _probe_kernel(device: str, scaling: str) -> Support:
                 return Support(False, f"the {scaling} fp8 matmul on {dev} gave a wrong result")
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
         return Support(False, f"the {scaling} fp8 matmul does not run on {dev} with this torch build "
+                              f"({str(exc).splitlines()[0][:120]})")
+    return Support(True)
+
+
+def _probe_grouped(dev: torch.device) -> Support:
+    """``torch._scaled_grouped_mm`` on two groups of 16 rows: e4m3 ones, row scales of 1 and 2."""
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9 \
+            or not hasattr(torch, "_scaled_grouped_mm"):
+        return Support(False, "grouped fp8 matmuls (torch._scaled_grouped_mm) run on CUDA compute capability "
+                              "9.x (Hopper) only")
+    try:
+        a = torch.ones(32, 16, device=dev).to(torch.float8_e4m3fn)                      # (S, K) row-major
+        b = torch.ones(2, 16, 16, device=dev).to(torch.float8_e4m3fn).transpose(1, 2)   # (E, K, N) column-major
+        scale_b = torch.tensor([[1.0] * 16, [2.0] * 16], device=dev)                    # (E, N)
+        out = torch._scaled_grouped_mm(a, b, torch.ones(32, device=dev), scale_b,
+                                       offs=torch.tensor([16, 32], dtype=torch.int32, device=dev),
+                                       out_dtype=torch.bfloat16)
+        if out[0, 0].item() != 16 or out[31, 15].item() != 32:     # the probe's one host sync
+            return Support(False, f"the grouped fp8 matmul on {dev} gave a wrong result")
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+        return Support(False, f"the grouped fp8 matmul does not run on {dev} with this torch build "
                               f"({str(exc).splitlines()[0][:120]})")
     return Support(True)
 

@@ -138,3 +138,36 @@ def test_gpu_without_fp8_emulates_with_a_notice():
     with pytest.warns(mixprec.Fp8EmulationWarning, match="emulated on cuda"):
         mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
     assert mp.fp8_report.backend == "emulate"
+
+
+# Routing gives any number of rows per expert: aligned group ends, and ends at odd rows.
+@pytest.mark.parametrize("offs", [[64, 64, 160, 256], [37, 37, 150, 256]], ids=["aligned", "ragged"])
+def test_grouped_expert_gemm_on_hopper_agrees_with_the_emulation(offs):
+    # The forward GEMM of a mixture of experts on torch._scaled_grouped_mm (Hopper), against the same
+    # layer emulated: identical fp8 operands and scales, so only the accumulation differs (the bound
+    # above, with K = 256 per row) and one bf16 rounding each. The gradients are emulated on both.
+    from mixprec.devices import probe_fp8_kernel
+    from mixprec.fp8 import Fp8GroupedLinear
+    fp8_gpu()
+    support = probe_fp8_kernel("grouped", "cuda")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("torch._scaled_grouped_mm runs on Hopper (compute capability 9.x) only")
+    assert support.ok, support.reason
+    torch.manual_seed(0)
+    e, n, k = 4, 128, 256                                     # expert 1 gets no rows
+    x = torch.randn(offs[-1], k, device="cuda")
+    w = torch.randn(e, n, k, device="cuda") / 16
+    outs = []
+    for backend in ("scaled_mm", "emulate"):
+        layer = Fp8GroupedLinear(e, n, k, Fp8Config(), backend=backend, device="cuda")
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(xi, wi, torch.tensor(offs, dtype=torch.int32, device="cuda"))
+        y.float().square().sum().backward()
+        outs.append((y.float(), xi.grad, wi.grad))
+    (y_k, gx_k, gw_k), (y_e, gx_e, gw_e) = outs
+    bound = math.sqrt(k) * _ACC_UNIT * y_e.abs().max().item() + 2 * 2.0**-8 * y_e.abs().max().item()
+    assert (y_k - y_e).abs().max().item() <= bound
+    # The gradients start from y, which differs by that much: compare them loosely, as SQNR.
+    assert sqnr_db(gx_e, gx_k) > 30 and sqnr_db(gw_e, gw_k) > 30
+    assert torch.equal(gw_k[1], torch.zeros_like(gw_k[1]))

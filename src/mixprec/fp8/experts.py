@@ -27,10 +27,11 @@ import types
 import torch
 from torch import nn
 
+from ..devices import probe_fp8_kernel
 from ..recipe.fp8 import Fp8Config
 from .grouped import Fp8GroupedLinear
 
-__all__ = ["is_hf_experts", "expert_projections", "experts_blocker", "to_fp8_experts"]
+__all__ = ["is_hf_experts", "expert_projections", "experts_blocker", "grouped_backend", "to_fp8_experts"]
 
 _ALIGN = 16
 
@@ -63,11 +64,20 @@ def experts_blocker(module: nn.Module) -> str | None:
     return None
 
 
-def to_fp8_experts(module: nn.Module, config: Fp8Config) -> None:
-    """Give ``module`` its fp8 grouped projections and the forward that uses them (in place)."""
-    device = getattr(module, "down_proj").device
+def grouped_backend(module: nn.Module, backend: str) -> str:
+    """The backend of ``module``'s grouped GEMMs: ``scaled_mm`` where the layers' backend is and the
+    device runs ``torch._scaled_grouped_mm`` (Hopper), else ``emulate``."""
+    if backend != "scaled_mm":
+        return "emulate"
+    return "scaled_mm" if probe_fp8_kernel("grouped", module.down_proj.device).ok else "emulate"
+
+
+def to_fp8_experts(module: nn.Module, config: Fp8Config, backend: str = "emulate") -> None:
+    """Give ``module`` its fp8 grouped projections and the forward that uses them (in place);
+    ``backend`` is ``grouped_backend``'s answer."""
+    device = module.down_proj.device
     for name, experts, out_f, in_f in expert_projections(module):
-        layer = Fp8GroupedLinear(experts, out_f, in_f, config, device=device)
+        layer = Fp8GroupedLinear(experts, out_f, in_f, config, backend=backend, device=device)
         layer.train(module.training)
         setattr(module, f"{name}_fp8", layer)
     # An instance attribute: nn.Module.__call__ finds it before the class's (interface-dispatching) forward.

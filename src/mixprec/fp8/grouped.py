@@ -14,12 +14,14 @@ as the recipe says; the 3-D weight is one tensor, so all experts of a projection
 fp32 accumulation, one rounding to the output dtype. Its scale state, checkpoints and stats are
 ``Fp8Linear``'s (``Fp8LayerState``).
 
-It is emulated on every device: the fp8 values are held in fp32 and multiplied by an fp32 grouped
-matmul (``grouped_mm_f32``: one ``torch._grouped_mm`` on a CPU, a loop over the experts elsewhere).
-The products of fp8 values are exact in fp32, so the result equals a float64 computation from the
-dequantized operands up to fp32's summation rounding (tests/test_fp8_grouped.py). Hopper's
-``torch._scaled_grouped_mm`` would run the same GEMMs on fp8 tensor cores; it is not wired in yet
-(it needs a GPU to verify: benchmarks/gpu_session.sh lists it).
+Emulated (``backend="emulate"``, every device): the fp8 values are held in fp32 and multiplied by
+an fp32 grouped matmul (``grouped_mm_f32``: one ``torch._grouped_mm`` on a CPU, a loop over the
+experts elsewhere). The products of fp8 values are exact in fp32, so the result equals a float64
+computation from the dequantized operands up to fp32's summation rounding (tests/test_fp8_grouped.py).
+``backend="scaled_mm"`` (Hopper, where ``devices.probe_fp8_kernel("grouped")`` finds it) runs the
+forward GEMM on fp8 tensor cores through ``torch._scaled_grouped_mm`` when the output is bf16 (the only
+output it writes); torch's grouped kernel takes e4m3 operands only, so the two gradient GEMMs, whose
+``g`` is e5m2, stay emulated. The fp8 ``x`` and ``W`` are then saved as float8 (1 byte per value).
 
     >>> layer = Fp8GroupedLinear(4, 16, 32, Fp8Config())           # 4 experts, W (4, 16, 32)
     >>> x, w = torch.randn(10, 32), torch.randn(4, 16, 32)
@@ -79,10 +81,18 @@ class _Fp8GroupedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, layer: Fp8GroupedLinear,
                 out_dtype: torch.dtype, record: bool) -> torch.Tensor:
-        x_q, s_x, a_x, c_x = layer._cast("input", x, record)           # (S, K): fp32 holding e4m3 values
+        # e4m3 values: float8 tensors for the kernel, fp32 ones when emulating.
+        x_q, s_x, a_x, c_x = layer._cast("input", x, record)           # (S, K)
         w_q, s_w, a_w, c_w = layer._cast("weight", weight, record)     # (E, N, K)
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()              # exact for power-of-two scales
-        out = (grouped_mm_f32(x_q, w_q.transpose(1, 2), offs) * inv_x * inv_w).to(out_dtype)    # (S, N)
+        if layer.backend == "scaled_mm" and out_dtype == torch.bfloat16:
+            # Row scales: every row of x carries 1/s_x, every output column of every expert 1/s_w.
+            (rows, _), (experts, n, _) = x_q.shape, w_q.shape
+            out = torch._scaled_grouped_mm(x_q.contiguous(), w_q.contiguous().transpose(1, 2),
+                                           inv_x.expand(rows).contiguous(), inv_w.expand(experts, n).contiguous(),
+                                           offs=offs, out_dtype=out_dtype)
+        else:
+            out = (grouped_mm_f32(x_q.float(), w_q.float().transpose(1, 2), offs) * inv_x * inv_w).to(out_dtype)
         ctx.save_for_backward(x_q if ctx.needs_input_grad[1] else None,
                               w_q if ctx.needs_input_grad[0] else None, offs, inv_x, inv_w,
                               s_x, a_x, c_x, s_w, a_w, c_w)
@@ -100,6 +110,9 @@ class _Fp8GroupedFn(torch.autograd.Function):
             g_q, s_g, a_g, c_g = layer._cast("grad_output", grad_out, True)      # (S, N) e5m2 values
             layer._record("grad_output", s_g, a_g, c_g)
             inv_g = s_g.reciprocal()
+            g_q = g_q.float()           # the gradient GEMMs are emulated on every device (see the docstring)
+            x_q = x_q.float() if x_q is not None else None
+            w_q = w_q.float() if w_q is not None else None
             grad_x = grad_w = None
             if ctx.needs_input_grad[0]:
                 grad_x = (grouped_mm_f32(g_q, w_q, offs) * inv_g * inv_w).to(ctx.x_dtype)         # (S, K)
@@ -117,13 +130,14 @@ class Fp8GroupedLinear(Fp8LayerState):
     """
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, config: Fp8Config, *,
-                 device: torch.device | str = "cpu") -> None:
+                 backend: str = "emulate", device: torch.device | str = "cpu") -> None:
         super().__init__()
         if config.blocked:
             raise ValueError(f"fp8={config.scaling.value}: grouped expert GEMMs take per-tensor scaling only "
                              "(fp8, fp8(delayed)); the blocked scalings cover nn.Linear layers")
         self.num_experts, self.out_features, self.in_features = num_experts, out_features, in_features
-        self._setup_fp8(config, "emulate", torch.device(device))
+        self._setup_fp8(config, backend, torch.device(device))
+        self.fused_casts = False          # the fused cast kernel writes 2-D transposes; a 3-D weight has none
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if weight.shape != (self.num_experts, self.out_features, self.in_features):

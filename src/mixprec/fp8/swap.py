@@ -38,7 +38,7 @@ from torch import nn
 from ..devices import probe_fp8_kernel, probe_fp8_speed
 from ..recipe.fp8 import Fp8Config
 from .conv1d import Fp8Conv1D, is_hf_conv1d
-from .experts import expert_projections, experts_blocker, is_hf_experts, to_fp8_experts
+from .experts import expert_projections, experts_blocker, grouped_backend, is_hf_experts, to_fp8_experts
 from .linear import Fp8Linear
 from .matmul import probe_scaled_mm
 
@@ -240,9 +240,11 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
         decisions.append(Fp8LayerDecision(name, out_f, in_f, reason, detail))
     covered = {id(m.weight) for _, m in linears}
     for name, module in _experts(model):
-        decisions.extend(_experts_decisions(name, module, config, filter, keeps_fp32))
+        kernel = grouped_backend(module, backend)
+        decisions.extend(_experts_decisions(name, module, config, filter, keeps_fp32,
+                                            emulated=backend == "scaled_mm" and kernel == "emulate"))
         if decisions[-1].swapped:
-            to_fp8_experts(module, config)
+            to_fp8_experts(module, config, kernel)
         # The decisions name these weights, and their biases go with them.
         covered.update(id(p) for p in module.parameters(recurse=False))
     # Module order: a linear by its own name, an expert projection (a parameter) by its module's.
@@ -284,11 +286,14 @@ def _experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _experts_decisions(name: str, module: nn.Module, config: Fp8Config,
                        filter: Callable[[str, nn.Module], bool] | None,
-                       keeps_fp32: Callable[[nn.Module], bool] | None) -> list[Fp8LayerDecision]:
-    """One decision per projection of an experts module; both swapped or neither (one forward runs both)."""
+                       keeps_fp32: Callable[[nn.Module], bool] | None, emulated: bool) -> list[Fp8LayerDecision]:
+    """One decision per projection of an experts module; both swapped or neither (one forward runs both).
+    ``emulated``: the other layers run fp8 kernels but this device has no grouped one."""
     projections = expert_projections(module)
     names = [f"{name}.{p}" for p, *_ in projections]
     reason, detail = Fp8Reason.SWAPPED, f"grouped GEMM over {projections[0][1]} experts"
+    if emulated:
+        detail += ", emulated (no grouped fp8 kernel on this device)"
     blocker = experts_blocker(module)
     pattern = next((p for p in config.skip for n in names if fnmatch.fnmatchcase(n, p)), None)
     if config.blocked:
