@@ -70,8 +70,9 @@ class MixedPrecision:
     references to the low-precision weights are replaced by fp32 copies. ``clip_grad_norm`` clips the
     global L2 norm of the *unscaled* gradients.
 
-    fp8 recipes swap eligible ``nn.Linear`` layers for ``Fp8Linear`` here (sharing their Parameters);
-    ``fp8_filter(name, module) -> bool`` keeps layers out, and ``fp8_report`` says what was swapped and
+    fp8 recipes swap eligible ``nn.Linear`` layers for ``Fp8Linear`` here (sharing their Parameters),
+    and under per-tensor fp8 run a Hugging Face mixture of experts' 3-D expert weights as fp8 grouped
+    GEMMs (``fp8/experts.py``); ``fp8_filter(name, module) -> bool`` keeps layers out, and ``fp8_report`` says what was swapped and
     why the rest was not. Where the device has no fp8 matmuls, or (on a CPU) a measured probe finds
     torch's fp8 kernel slower than the emulation, the emulation runs and an ``Fp8EmulationWarning``
     says so, once, here (``fp8_report.note`` names the choice and the measurement).
