@@ -309,19 +309,6 @@ class TestBadInput:
             b.load_state_dict(a.state_dict())
 
 
-def test_autocast_sets_tf32_off_for_fp32_and_restores_the_flags(model):
-    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        with mp.autocast():
-            assert torch.backends.cuda.matmul.allow_tf32 is False
-            assert not torch.is_autocast_enabled("cpu")
-        assert torch.backends.cuda.matmul.allow_tf32 is True
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.mark.parametrize("in_backward", [False, True])
 def test_scale_loss_for_a_trainers_own_backward_equals_mp_backward(in_backward):
     # A trainer that runs backward itself (Lightning: loss * S; Hugging Face: the loss logged unscaled,

@@ -54,6 +54,7 @@ from .usage_checks import (UsageChecks, bare_step_reason, check_loss_tensor, che
 from .recipe.moments import Moments
 from .saved16 import Saved, SavedPacker, warn_if_compiled_saves
 from .step_result import StepObserver, StepResult
+from .tf32 import fp32_precision
 
 __all__ = ["MixedPrecision", "StepResult", "StepObserver", "Fp8EmulationWarning"]
 
@@ -194,31 +195,27 @@ class MixedPrecision:
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        """Run the forward pass in the recipe's compute precision; TF32 on only for ``tf32``.
+        """Run the forward pass in the recipe's compute precision.
 
         torch.autocast does the per-op casting for fp16/bf16 compute; a recipe's op-list edits that
-        differ from autocast's lists are applied on top (``oplists.OpListMode``). The TF32 switches are
-        global in torch, so they are set here and restored on exit.
+        differ from autocast's lists are applied on top (``oplists.OpListMode``). The ``fp32`` and
+        ``tf32`` recipes set torch's (global) TF32 switches for the forward and restore them on exit;
+        the others leave them as the user set them, as torch.autocast does (``tf32.py``).
         """
         self._checks.check_dtype()      # model.half() after the engine: refused before the forward fails
-        tf32 = self.recipe.compute is Precision.TF32
-        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         self._checks.entered_autocast = True
         # Inside a function torch.compile traces, the graph decides what it saves (saved16.py): the
         # saved_tensors_hooks would only break the graph.
         packs = self._packs_saved and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        try:
-            with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
-                                enabled=self.recipe.autocast), \
-                    self._op_mode or contextlib.nullcontext(), \
-                    (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
-                     else contextlib.nullcontext()), \
-                    (SavedPacker(self.recipe.saved) if packs
-                     else contextlib.nullcontext()):     # fp32 saves kept in 16 bits (saved16.py)
-                yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
+                            enabled=self.recipe.autocast), \
+                self._fp32_precision(), \
+                self._op_mode or contextlib.nullcontext(), \
+                (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
+                 else contextlib.nullcontext()), \
+                (SavedPacker(self.recipe.saved) if packs
+                 else contextlib.nullcontext()):     # fp32 saves kept in 16 bits (saved16.py)
+            yield
 
     # ----------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -234,8 +231,18 @@ class MixedPrecision:
         if self._saved_compile_check:
             self._saved_compile_check = False
             warn_if_compiled_saves(loss, self.recipe.saved)     # once: saved= stops at compiled regions
-        with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext():
+        with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext(), \
+                self._fp32_precision():
             self.loss_scale.scale(loss).backward(**kwargs)
+
+    def _fp32_precision(self) -> contextlib.AbstractContextManager:
+        """TF32 on (``tf32``) or off (``fp32``) for this recipe's forward or backward; for the others
+        nothing (``tf32.py``). Not inside a function torch.compile traces: dynamo cannot read the
+        switches there, and the compiled code runs under those set where it is called."""
+        compute = self.recipe.compute
+        if (compute is Precision.FP32 or compute is Precision.TF32) and not torch.compiler.is_compiling():
+            return fp32_precision(tf32=compute is Precision.TF32)
+        return contextlib.nullcontext()
 
     def scale_loss(self, loss: torch.Tensor, *, in_backward: bool = False) -> torch.Tensor:
         """``loss * S``, for a trainer that runs the backward itself (Lightning, Hugging Face). No sync.
