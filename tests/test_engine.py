@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision, parse_recipe
-from mixprec import engine as engine_module
 from mixprec import optimizer_step
 
 from conftest import OPTIMIZERS, batches, tiny_model

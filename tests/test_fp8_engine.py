@@ -12,7 +12,6 @@ from torch import nn
 import mixprec
 from mixprec import Fp8Config, Fp8EmulationWarning, MixedPrecision, get_recipe, parse_recipe, supports
 from mixprec.fp8 import Fp8Linear, Fp8Reason, count_fp8_ranges, fp8_layer_stats
-from mixprec.fp8 import matmul
 
 
 class Net(nn.Module):
@@ -111,7 +110,6 @@ def test_fp8_filter_needs_an_fp8_recipe():
 def test_without_fp8_matmuls_the_emulation_runs_with_one_notice(monkeypatch):
     no = mixprec.Support(False, "pretend device without fp8")
     monkeypatch.setattr(mixprec.devices, "probe_scaled_mm", lambda device: no)
-    monkeypatch.setattr(mixprec.fp8.swap, "probe_scaled_mm", lambda device: no)
     with pytest.warns(Fp8EmulationWarning, match="emulated on cpu.*pretend device") as record:
         mp = engine("fp8")
     assert len(record) == 1 and mp.fp8_report.backend == "emulate"

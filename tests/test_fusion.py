@@ -3,7 +3,6 @@ they warn once and run eagerly. The loss-scale update is the one every fp16 step
 
 import warnings
 
-import pytest
 import torch
 
 from mixprec.fusion import FusedFunction, FusionWarning

@@ -6,8 +6,6 @@ nothing is packed, as under torch.autocast."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import batches
-from torch import nn
 
 from mixprec import MixedPrecision, cross_entropy, memory_report, parse_recipe
 from mixprec.diagnostics.memory import SavedTensorMeter

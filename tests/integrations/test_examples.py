@@ -5,7 +5,6 @@ import importlib.util
 import math
 import pathlib
 
-import pytest
 import torch
 from optional_deps import need
 

@@ -40,7 +40,6 @@ from ..recipe.fp8 import Fp8Config
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .experts import expert_projections, experts_blocker, grouped_backend, is_hf_experts, to_fp8_experts
 from .linear import Fp8Linear
-from .matmul import probe_scaled_mm
 
 __all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8",
            "resolve_backend", "check_fp8_patterns", "none_swapped_reason"]

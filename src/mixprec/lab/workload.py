@@ -11,7 +11,6 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..chunked_loss import cross_entropy as chunked_cross_entropy
