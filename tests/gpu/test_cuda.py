@@ -72,3 +72,36 @@ def test_compare_on_cuda_records_the_allocator_peak(tmp_path):
     for run in report.runs:
         assert run.memory.peak is not None and run.memory.peak >= run.memory.params
         assert run.skipped_steps == 0 and run.test_metric > 0.5
+
+
+@pytest.mark.parametrize("recipe, precision", [("fp32", "ieee"), ("tf32", "tf32")])
+def test_fp32_recipes_run_forward_and_backward_at_their_tf32_setting(recipe, precision, monkeypatch):
+    # torch's defaults put cuDNN convolutions in TF32: before, the fp32 recipe's backward ran its
+    # convolutions so, and tf32's backward ran cuBLAS matmuls in IEEE fp32. Both gradients must now
+    # be those of a loop that sets the switches for the whole step.
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    knobs = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    saved = [k.fp32_precision for k in knobs]
+
+    def conv_net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 32, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 14 * 14, 10)).cuda()
+
+    x, y = torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+    theirs = conv_net()
+    try:
+        for k in knobs:
+            k.fp32_precision = precision
+        F.cross_entropy(theirs(x), y).backward()
+        for k in knobs:               # the opposite setting around the engine: it must not matter
+            k.fp32_precision = "tf32" if precision == "ieee" else "ieee"
+        ours = conv_net()
+        mp = mixprec.MixedPrecision(ours, torch.optim.SGD(ours.parameters(), lr=0.1), recipe)
+        with mp.autocast():
+            loss = F.cross_entropy(ours(x), y)
+        mp.backward(loss)
+        for a, b in zip(theirs.parameters(), ours.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    finally:
+        for k, was in zip(knobs, saved):
+            k.fp32_precision = was
