@@ -80,7 +80,8 @@ case "${1:-}" in
     run parity-eager "$PY" benchmarks/bench_parity.py --device cuda --modes eager --pairs 15 \
         --markdown "$OUT/parity-eager.md"
     run parity-compiled "$PY" benchmarks/bench_parity.py --device cuda --modes compiled,compile_step \
-        --optimizers fused --pairs 15 --markdown "$OUT/parity-compiled.md" ;;
+        --optimizers fused --pairs 15 --markdown "$OUT/parity-compiled.md"
+    run step-alone "$PY" benchmarks/bench_step_alone.py --device cuda --model lm ;;
   *)
     echo "usage: $0 tests|kernels|lab|doctor|e2e|e2e-fp8|e2e-recipes|parity" >&2; exit 2 ;;
 esac
