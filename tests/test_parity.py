@@ -141,7 +141,7 @@ def test_a_compiled_model_has_torch_amps_graphs_and_nodes(recipe):
     assert ours.graphs <= ref.graphs and ours.total_nodes <= ref.total_nodes
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp16", "bf16,saved=low", "bf16-pure"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp16", "bf16,saved=low", "bf16-pure", "bf16-sr", "fp8-delayed"])
 def test_mp_autocast_inside_a_compiled_function_does_not_break_the_graph(recipe):
     model = small_gpt(1)
     with warnings.catch_warnings():
