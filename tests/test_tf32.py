@@ -13,16 +13,29 @@ KNOBS = {"matmul": torch.backends.cuda.matmul, "conv": torch.backends.cudnn.conv
          "rnn": torch.backends.cudnn.rnn}
 
 
+def legacy_flags() -> tuple[bool, bool] | None:
+    """torch's legacy TF32 flags; None where torch refuses to read them (the new API was used since)."""
+    try:
+        return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        return None
+
+
 @pytest.fixture(autouse=True)
 def restore_torch_flags():
-    """Each test sets torch's global switches its own way: put every one back, through the new API
-    (reading the legacy flags may raise once a test used the new one)."""
+    """Each test sets torch's global switches its own way: put every one back, the new API's values
+    first, then the legacy flags if they could be read before: a legacy flag set in a test and a new
+    value restored after it would leave later tests unable to read the legacy flags."""
     saved = {name: k.fp32_precision for name, k in KNOBS.items()}
     saved_global = (torch.backends.fp32_precision, torch.backends.cudnn.fp32_precision)
+    legacy = legacy_flags()
     yield
     torch.backends.fp32_precision, torch.backends.cudnn.fp32_precision = saved_global
     for name, k in KNOBS.items():
         k.fp32_precision = saved[name]
+    if legacy is not None:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy
+        assert legacy_flags() == legacy
 
 
 def settings() -> dict[str, str]:

@@ -258,12 +258,12 @@ def test_casting_a_pure_model_is_refused_on_entering_autocast_before_the_forward
     # (CPU): expect parameter to have scalar type of Float") before step() could say why.
     mp = engine("bf16-pure")
     mp.model.half()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = torch.backends.cuda.matmul.fp32_precision
     with pytest.raises(RuntimeError, match=r"changed dtype after MixedPrecision was built \('0.weight' was "
                                            r"bfloat16, now float16\): was model.half\(\)"):
         with mp.autocast():
             raise AssertionError("the forward must not run")
-    assert torch.backends.cuda.matmul.allow_tf32 == tf32 and not mp._checks.entered_autocast
+    assert torch.backends.cuda.matmul.fp32_precision == tf32 and not mp._checks.entered_autocast
 
 
 def test_trace_nonfinite_takes_a_bool_only():
