@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--markdown", metavar="PATH", help="also write the table as markdown to PATH (after each row)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,6 +102,10 @@ def main() -> None:
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.reps} interleaved reps, medians")
     names = ("plain", "off", "on", "fused", "eager")
+    title = (f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+             + f", torch {torch.__version__}, {args.reps} interleaved reps, medians")
+    cols = ["workload", "recipe"] + [f"{n} ms" for n in names] + [f"{n}/plain" for n in names[1:]]
+    rows: list[list[str]] = []
     print(f"{'workload':<9} {'recipe':<6} " + " ".join(f"{n + ' ms':>9}" for n in names) + " "
           + " ".join(f"{n + '/plain':>11}" for n in names[1:]))
     for workload in args.workloads.split(","):
@@ -109,6 +115,12 @@ def main() -> None:
             print(f"{workload:<9} {recipe:<6} " + " ".join(f"{1e3 * t[n]:>9.2f}" for n in names) + " "
                   + " ".join(f"{t[n] / t['plain']:>10.2f}x" for n in names[1:]), flush=True)
             assert collector.result().steps == args.reps + 3   # "on" really collected every time
+            rows.append([workload, recipe] + [f"{1e3 * t[n]:.2f}" for n in names]
+                        + [f"{t[n] / t['plain']:.2f}" for n in names[1:]])
+            if args.markdown:
+                Path(args.markdown).write_text("\n".join(
+                    [title, "", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+                    + ["| " + " | ".join(r) + " |" for r in rows]) + "\n")
 
 
 if __name__ == "__main__":

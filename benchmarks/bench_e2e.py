@@ -12,7 +12,8 @@ AdamW (lr 3e-4) and gradient clipping at 1.0:
 
 - ``torch.amp bf16``: ``torch.autocast`` + ``clip_grad_norm_`` + ``opt.step()``, the loop users write;
 - ``mixprec <recipe>``: ``MixedPrecision(model, opt, recipe, clip_grad_norm=1.0)``;
-- ``torchao float8``: ``convert_to_float8_training`` (tensorwise) under torch.amp bf16;
+- ``torchao float8``: ``convert_to_float8_training`` (tensorwise; ``torchao-fp8-rowwise``: its rowwise
+  recipe) under torch.amp bf16;
 - ``compiled``: ``torch.compile(model)``, and for mixprec also ``mp.compile_step()``.
 
 Variants run one after another (each holds a whole model and its optimizer: they do not fit side by
@@ -148,15 +149,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _make_loop(name: str, mode: str, model: Llama, device: torch.device):
+def _make_loop(name: str, mode: str, model: Llama, device: torch.device, backend: str = "inductor"):
     """A ``step(idx, tgt) -> loss`` for one variant."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     compiled = mode == "compiled"
-    if name in ("amp-bf16", "torchao-fp8"):
-        if name == "torchao-fp8":
-            from torchao.float8 import convert_to_float8_training   # optional
-            convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "head")
-        fwd = torch.compile(model) if compiled else model
+    if name in ("amp-bf16", "torchao-fp8", "torchao-fp8-rowwise"):
+        if name.startswith("torchao-fp8"):
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training   # optional
+            config = Float8LinearConfig.from_recipe_name("rowwise") if name.endswith("rowwise") else None
+            convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
+        fwd = torch.compile(model, backend=backend) if compiled else model
 
         def step(idx, tgt):
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -172,8 +174,8 @@ def _make_loop(name: str, mode: str, model: Llama, device: torch.device):
         mp = mixprec.MixedPrecision(model, opt, name, clip_grad_norm=1.0,
                                     fp8_filter=(lambda n, m: n != "head") if "fp8" in name else None)
     if compiled:
-        mp.compile_step()
-    fwd = torch.compile(model) if compiled else model
+        mp.compile_step(backend=backend)
+    fwd = torch.compile(model, backend=backend) if compiled else model
 
     def step(idx, tgt):
         with mp.autocast():
@@ -186,11 +188,11 @@ def _make_loop(name: str, mode: str, model: Llama, device: torch.device):
 
 
 def run_variant(name: str, mode: str, cfg: LlamaConfig, batch: int, t: int, steps: int, warmup: int,
-                device: torch.device) -> dict:
+                device: torch.device, backend: str = "inductor") -> dict:
     torch.manual_seed(0)
     model = Llama(cfg, t).to(device)
     fpt = flops_per_token(model, t)
-    step = _make_loop(name, mode, model, device)
+    step = _make_loop(name, mode, model, device, backend)
     g = torch.Generator(device=device).manual_seed(1)
     batches = [torch.randint(0, cfg.vocab, (batch, t + 1), device=device, generator=g) for _ in range(4)]
     if device.type == "cuda":
@@ -227,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=LlamaConfig.layers,
+                    help=f"decoder blocks (default {LlamaConfig.layers}: 648M parameters; 4 gives 335M)")
+    ap.add_argument("--backend", default="inductor",
+                    help="torch.compile backend of the compiled rows (aot_eager: a quick check of the code path)")
+    ap.add_argument("--markdown", metavar="PATH", help="also write the table as markdown to PATH (after each row)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny model on the CPU: checks the script")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
@@ -234,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)      # tiny kernels: threads only contend on a shared CPU
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     else:
-        device, cfg, batch, t = torch.device(args.device), LlamaConfig(), args.batch, args.seq
+        device, batch, t = torch.device(args.device), args.batch, args.seq
+        cfg = dataclasses.replace(LlamaConfig(), layers=args.layers)
         if device.type != "cuda" or not torch.cuda.is_available():
             print("bench_e2e: error: this benchmark measures GPU training; run it with --device cuda on a "
                   "GPU, or pass --cpu-smoke for a tiny CPU run that checks the script", file=sys.stderr)
@@ -242,30 +250,53 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in _PEAK_BF16.items() if k in gpu), None)
     n_params = sum(p.numel() for p in Llama(cfg, 8).parameters())
-    print(f"torch {torch.__version__}, {gpu}; Llama-style {n_params / 1e6:.0f}M parameters, batch "
-          f"{batch} x {t} tokens, fused AdamW, clip 1.0; median of {args.steps} steps after {args.warmup}\n")
+    title = (f"torch {torch.__version__}, {gpu}; Llama-style {n_params / 1e6:.0f}M parameters "
+             f"({cfg.layers} layers), batch {batch} x {t} tokens, fused AdamW, clip 1.0; median of {args.steps} "
+             f"steps after {args.warmup}; compile backend {args.backend}")
+    print(title + "\n")
     print(f"{'variant':<26}{'ms/step':>10}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}{'loss':>9}")
-    rows = {}
+    rows, cells = {}, []
     for mode in args.modes.split(","):
         for name in args.variants.split(","):
             try:
-                r = run_variant(name, mode, cfg, batch, t, args.steps, args.warmup, device)
+                r = run_variant(name, mode, cfg, batch, t, args.steps, args.warmup, device, args.backend)
             except Exception as exc:    # a variant this machine cannot run (tf32 on a CPU, no torchao)
-                print(f"{name + ' ' + mode:<26}  skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}",
-                      flush=True)
-                continue
-            rows[r["variant"]] = r
-            mfu = f"{r['tflops'] / peak:.0%}" if peak else "-"
-            print(f"{r['variant']:<26}{r['ms']:>10.2f}{r['tok_s']:>12.0f}{r['tflops']:>9.1f}{mfu:>7}"
-                  f"{r['peak_gib']:>10.2f}{r['loss']:>9.4f}", flush=True)
+                why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:90]}"
+                print(f"{name + ' ' + mode:<26}  skipped: {why}", flush=True)
+                cells.append([f"{name} {mode}", f"skipped: {why}", "", "", "", "", ""])
+            else:
+                rows[r["variant"]] = r
+                mfu = f"{r['tflops'] / peak:.0%}" if peak else "-"
+                print(f"{r['variant']:<26}{r['ms']:>10.2f}{r['tok_s']:>12.0f}{r['tflops']:>9.1f}{mfu:>7}"
+                      f"{r['peak_gib']:>10.2f}{r['loss']:>9.4f}", flush=True)
+                cells.append([r["variant"], f"{r['ms']:.2f}", f"{r['tok_s']:.0f}", f"{r['tflops']:.1f}", mfu,
+                              f"{r['peak_gib']:.2f}", f"{r['loss']:.4f}"])
+            if args.markdown:          # after every row: a run stopped by a time limit keeps its rows
+                _write_markdown(args.markdown, title, cells, rows)
     print("\ngoal ratios (> 1: the first is faster)")
-    for a, b, goal in (("bf16 compiled", "amp-bf16 compiled", 1.0), ("fp8 compiled", "amp-bf16 compiled", 1.25),
-                       ("fp8 compiled", "torchao-fp8 compiled", 1.0), ("fp8 eager", "bf16 eager", 1.0),
-                       ("bf16 eager", "amp-bf16 eager", 1.0)):
-        if a in rows and b in rows:
-            ratio = rows[b]["ms"] / rows[a]["ms"]
-            print(f"  mixprec {a} vs {b}: {ratio:.2f}x (goal >= {goal:.2f}x)")
+    for line in _ratios(rows):
+        print("  " + line)
     return 0
+
+
+_GOALS = (("bf16 compiled", "amp-bf16 compiled", 1.0), ("fp8 compiled", "amp-bf16 compiled", 1.25),
+          ("fp8 compiled", "torchao-fp8 compiled", 1.0), ("fp8-rowwise compiled", "amp-bf16 compiled", 1.0),
+          ("fp8-rowwise compiled", "torchao-fp8-rowwise compiled", 1.0), ("fp8 eager", "bf16 eager", 1.0),
+          ("bf16 eager", "amp-bf16 eager", 1.0))
+
+
+def _ratios(rows: dict) -> list[str]:
+    """The speed ratios the issues set goals for, among the rows measured."""
+    return [f"mixprec {a} vs {b}: {rows[b]['ms'] / rows[a]['ms']:.2f}x (goal >= {goal:.2f}x)"
+            for a, b, goal in _GOALS if a in rows and b in rows]
+
+
+def _write_markdown(path: str, title: str, cells: list[list[str]], rows: dict) -> None:
+    lines = [title, "", "| variant | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | loss |", "|---" * 7 + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
+    lines += ["", "Ratios (> 1: the first is faster): " + ("; ".join(_ratios(rows)) or "none measured yet")]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

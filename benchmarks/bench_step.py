@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,7 @@ def interleave(fns: dict, reps: int, device) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def whole_step(recipe: str, device, width, depth, batch, reps, compiled=False):
+def whole_step(recipe: str, device, width, depth, batch, reps, compiled=False, backend="inductor"):
     x = torch.randn(batch, width, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     low = mixprec.get_recipe(recipe).compute.dtype
@@ -87,9 +88,9 @@ def whole_step(recipe: str, device, width, depth, batch, reps, compiled=False):
         # (gradients zeroed in place so they keep their addresses).
         m3 = mlp(width, depth, device)
         mp3 = mixprec.MixedPrecision(m3, torch.optim.AdamW(m3.parameters(), lr=1e-4, fused=True), recipe)
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        mp3.compile_step(mode=mode)
-        f3 = torch.compile(m3, mode=mode)
+        mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+        mp3.compile_step(mode=mode, backend=backend)
+        f3 = torch.compile(m3, mode=mode, backend=backend)
 
         def ours_compiled():
             with mp3.autocast():
@@ -97,9 +98,25 @@ def whole_step(recipe: str, device, width, depth, batch, reps, compiled=False):
             mp3.backward(loss)
             mp3.step()
             mp3.zero_grad(set_to_none=False)
+        # torch.amp's best on the same step: the compiled model (CUDA graphs on CUDA) and the eager
+        # fused optimizer and GradScaler, as a user who compiles the model writes it.
+        m4 = mlp(width, depth, device)
+        opt4 = torch.optim.AdamW(m4.parameters(), lr=1e-4, fused=True)
+        scaler4 = torch.amp.GradScaler(device.type, enabled=low == torch.float16)
+        f4 = torch.compile(m4, mode=mode, backend=backend)
+
+        def theirs_compiled():
+            with torch.autocast(device.type, dtype=low):
+                loss = F.cross_entropy(f4(x), y)
+            scaler4.scale(loss).backward()
+            scaler4.step(opt4)
+            scaler4.update()
+            opt4.zero_grad(set_to_none=False)
         for _ in range(3):                   # compile outside the timed warm-up
             ours_compiled()
+            theirs_compiled()
         fns["mixprec compiled"] = ours_compiled
+        fns["torch.amp compiled"] = theirs_compiled
     return interleave(fns, reps, device)
 
 
@@ -158,30 +175,45 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled-step rows")
     ap.add_argument("--opt-widths", default="512,2048",
-                    help="MLP widths for the optimizer-step comparison (0.8M and 12.6M parameters)")
+                    help="MLP widths for the optimizer-step comparison (0.8M and 12.6M parameters; '' for none)")
+    ap.add_argument("--backend", default="inductor",
+                    help="torch.compile backend of the compiled rows (aot_eager: a quick check of the code path)")
+    ap.add_argument("--markdown", metavar="PATH", help="also write the table as markdown to PATH (after each row)")
     args = ap.parse_args()
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
              f", {torch.get_num_threads()} threads"))
     print(f"MLP {args.depth}x{args.width}, batch {args.batch}, {args.reps} interleaved reps, medians\n")
-    print(f"{'comparison':<34}{'mixprec ms':>12}{'torch.amp ms':>14}{'torch/mixprec':>15}")
+    title = (f"torch {torch.__version__}, {device}"
+             + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+             + f"; MLP {args.depth}x{args.width}, batch {args.batch}, fused AdamW, {args.reps} interleaved reps, "
+               f"medians; compile backend {args.backend}")
+    print(f"{'comparison':<40}{'mixprec ms':>12}{'torch.amp ms':>14}{'torch/mixprec':>15}")
+    rows = []
+
+    def row(label: str, ours: float, theirs: float, baseline: str = "torch.amp eager") -> None:
+        print(f"{label:<40}{ours * 1e3:>12.3f}{theirs * 1e3:>14.3f}{theirs / ours:>14.3f}x", flush=True)
+        rows.append([label, baseline, f"{ours * 1e3:.3f}", f"{theirs * 1e3:.3f}", f"{theirs / ours:.3f}"])
+        if args.markdown:
+            lines = [title, "", "| comparison | torch.amp side | mixprec ms | torch.amp ms | torch.amp / mixprec |",
+                     "|---|---|---|---|---|"] + ["| " + " | ".join(r) + " |" for r in rows]
+            Path(args.markdown).write_text("\n".join(lines) + "\n")
+
     for recipe in args.recipes.split(","):
-        t = whole_step(recipe, device, args.width, args.depth, args.batch, args.reps, not args.no_compile)
-        print(f"{'whole step, ' + recipe:<34}{t['mixprec'] * 1e3:>12.3f}{t['torch.amp'] * 1e3:>14.3f}"
-              f"{t['torch.amp'] / t['mixprec']:>14.3f}x")
+        t = whole_step(recipe, device, args.width, args.depth, args.batch, args.reps, not args.no_compile,
+                       args.backend)
+        row(f"whole step, {recipe}", t["mixprec"], t["torch.amp"])
         if "mixprec compiled" in t:
-            c = t["mixprec compiled"]
-            print(f"{'whole step, ' + recipe + ', compiled':<34}{c * 1e3:>12.3f}{t['torch.amp'] * 1e3:>14.3f}"
-                  f"{t['torch.amp'] / c:>14.3f}x")
-    for width in map(int, args.opt_widths.split(",")):
+            row(f"whole step, {recipe}, compiled", t["mixprec compiled"], t["torch.amp"])
+            row(f"whole step, {recipe}, compiled", t["mixprec compiled"], t["torch.amp compiled"],
+                "torch.amp compiled model")
+    for width in [int(w) for w in args.opt_widths.split(",") if w]:
         t, n = optimizer_step(device, width, args.depth, args.reps)
-        label = f"optimizer step, {n / 1e6:.1f}M params"
-        print(f"{label:<34}{t['mixprec'] * 1e3:>12.3f}{t['torch.amp'] * 1e3:>14.3f}"
-              f"{t['torch.amp'] / t['mixprec']:>14.3f}x")
+        row(f"optimizer step, {n / 1e6:.1f}M params", t["mixprec"], t["torch.amp"])
     print("\noptimizer step = unscale + clip to norm 1 + fused AdamW on gradients scaled by 2**16")
     print("compiled = torch.compile(model) + mp.compile_step() (CUDA: mode='reduce-overhead'), against the "
-          "torch.amp eager loop (goal >= 2x)")
+          "torch.amp eager loop (goal >= 2x) and against torch.amp with the model compiled the same way")
 
 
 if __name__ == "__main__":

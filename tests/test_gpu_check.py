@@ -1,0 +1,73 @@
+"""benchmarks/gpu_check.py: the one-call GPU check cannot rot without a GPU.
+
+The budget logic and the tables built from pytest's and inspect's reports are checked here; the whole
+dry run (every part's code path on the CPU at tiny sizes) is slow-marked.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def test_tests_table_counts_each_file_and_names_its_first_failure(tmp_path):
+    xml = tmp_path / "t.xml"
+    xml.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.gpu.test_cuda" name="test_a" time="1.5"/>'
+        '<testcase classname="tests.gpu.test_cuda.TestX" name="test_b" time="0.5">'
+        '<failure message="boom&#10;second line">tb</failure></testcase>'
+        '<testcase classname="tests.gpu.test_cuda" name="test_c" time="0.25"><failure message="later"/></testcase>'
+        '<testcase classname="tests.test_fp8_blocked" name="test_d" time="0.1"><skipped message="no"/></testcase>'
+        '</testsuite></testsuites>')
+    rows = gpu_check.tests_table(xml).splitlines()[2:]
+    assert rows == ["| tests/gpu/test_cuda.py | 1 | 2 | 0 | 2.2 | test_b: boom |",
+                    "| tests/test_fp8_blocked.py | 0 | 0 | 1 | 0.1 |  |"]
+    assert "stopped before the end" in gpu_check.tests_table(tmp_path / "missing.xml")
+
+
+def test_memory_table_divides_the_allocators_peak_by_the_prediction(tmp_path):
+    report = {"workload": "gpt2", "batch_size": 8, "device": "cuda",
+              "memory": [{"label": "bf16", "predicted": {"peak": 2**30}, "measured": {"peak": 1.5 * 2**30}},
+                         {"label": "fp8", "predicted": {"peak": 2**20}, "measured": {"peak": None}}]}
+    path = tmp_path / "inspect.json"
+    path.write_text(json.dumps(report))
+    rows = gpu_check.memory_table(path).splitlines()[-2:]
+    assert rows == ["| bf16 | 1024.0 | 1536.0 | 1.500 |", "| fp8 | 1.0 | - | - |"]
+
+
+def test_a_spent_budget_skips_every_part_with_a_line_and_still_writes_the_report(tmp_path):
+    assert gpu_check.main(["--budget", "0", "--parts", "tests,host", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert text.count("skipped: 0 s of the budget left") == 2
+    assert "## a. CUDA tests" in text and "## d. The host-bound step" in text
+
+
+def test_unknown_parts_are_refused_with_the_known_ones(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--parts", "tests,speed"])
+    assert "tests, parity, fp8, host, doctor" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
+    """Every part's commands exit 0 on the CPU, and the default loop's weights equal torch.amp's."""
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+                   check=True, timeout=900, capture_output=True)
+    text = (tmp_path / "gpu_check.md").read_text()
+    for title in ("a. CUDA tests", "b. The default loop", "c. fp8", "d. The host-bound step", "e. The doctor"):
+        assert f"## {title}" in text
+    assert "DRY RUN" in text
+    for label in ("eager", "compiled", "e2e", "step", "doctor", "memory"):
+        assert f"{label} (exit 0)" in text, label
+    assert "pytest (exit 0)" in text or "pytest (exit 5)" in text     # every CUDA test skips on a CPU
+    parity_rows = [line for line in text.splitlines() if line.startswith("| lm")]
+    assert len(parity_rows) == 8 and all(line.endswith("| yes |") for line in parity_rows)
