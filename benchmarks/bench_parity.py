@@ -21,7 +21,9 @@ each timed whole: forward + backward + step + zero_grad. "ratio" is the median o
 mixprec / torch.amp and "range" their min-max: below 1 means mixprec is faster. "ops" are the aten ops
 one eager step dispatches (mixprec.diagnostics.op_count; '-' for compiled rows). "weights equal" says
 whether, after all steps, mixprec's parameters equal torch.amp's bit for bit (n/a for the recipes
-that hold 16-bit weights: bf16-pure, bf16-sr, fp16-pure are not meant to match).
+that hold 16-bit weights: bf16-pure, bf16-sr, fp16-pure are not meant to match); where they do not, a
+second torch.amp loop over the same batches says whether torch.amp equals itself ("twin yes": a parity
+break) or not ("twin NO": run-to-run nondeterministic kernels, where nothing can match bit for bit).
 
 The current table goes to the top of benchmarks/RESULTS.md (``--markdown PATH`` writes it with the
 machine, date and command).
@@ -151,7 +153,11 @@ def run_row(model_name, mode, optimizer, recipe, args, device) -> list[str]:
     fused = optimizer == "fused"
     ours_model, theirs_model = make_model(model_name, args.quick, device), make_model(model_name, args.quick, device)
     ours = mixprec_loop(ours_model, recipe, fused, mode, args.backend)
-    theirs = amp_loop(theirs_model, dtype, fused, mode, device, args.backend)
+    amp_step, seen = amp_loop(theirs_model, dtype, fused, mode, device, args.backend), []
+
+    def theirs(x, y):                                  # torch.amp's loop, recording the batches it saw
+        seen.append((x, y))
+        amp_step(x, y)
 
     warmup = args.warmup if mode == "eager" else max(args.warmup, 3)
     batches = iter(make_batches(model_name, args.quick, warmup + 1 + args.pairs, device))
@@ -171,11 +177,20 @@ def run_row(model_name, mode, optimizer, recipe, args, device) -> list[str]:
             times[step].append(timed(step, batch, device))
     ratios = [a / b for a, b in zip(times[ours], times[theirs])]
 
+    same = lambda m1, m2: all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
     if r.param.is_low:
         equal = "n/a"
+    elif same(ours_model, theirs_model):
+        equal = "yes"
     else:
-        equal = "yes" if all(torch.equal(a, b) for a, b in
-                             zip(ours_model.parameters(), theirs_model.parameters())) else "NO"
+        # Is torch.amp's loop itself reproducible here? A second one over the same batches tells a
+        # parity break ("twin yes") from kernels that are not run to run deterministic ("twin NO":
+        # e.g. atomics in an attention backward on a GPU), where no loop can match bit for bit.
+        twin_model = make_model(model_name, args.quick, device)
+        twin = amp_loop(twin_model, dtype, fused, mode, device, args.backend)
+        for batch in seen:
+            twin(*batch)
+        equal = f"NO (torch.amp twin {'yes' if same(twin_model, theirs_model) else 'NO'})"
     return [baseline, f"{statistics.median(ratios):.3f}", f"{min(ratios):.2f}-{max(ratios):.2f}",
             f"{statistics.median(times[ours]) * 1e3:.2f}", f"{statistics.median(times[theirs]) * 1e3:.2f}",
             *ops, equal]

@@ -84,40 +84,49 @@ def whole_step(recipe: str, device, width, depth, batch, reps, compiled=False, b
 
     fns = {"mixprec": ours, "torch.amp": theirs}
     if compiled:
-        # The compiled variant: torch.compile(model) and mp.compile_step(); on CUDA as CUDA graphs
-        # (gradients zeroed in place so they keep their addresses).
-        m3 = mlp(width, depth, device)
-        mp3 = mixprec.MixedPrecision(m3, torch.optim.AdamW(m3.parameters(), lr=1e-4, fused=True), recipe)
-        mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
-        mp3.compile_step(mode=mode, backend=backend)
-        f3 = torch.compile(m3, mode=mode, backend=backend)
+        try:
+            fns.update(_compiled_steps(recipe, device, width, depth, x, y, low, backend))
+        except Exception as e:     # the eager rows still count; the table says why these are missing
+            fns["compiled error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+    error = fns.pop("compiled error", None)
+    times = interleave(fns, reps, device)
+    return (times | {"compiled error": error}) if error else times
 
-        def ours_compiled():
-            with mp3.autocast():
-                loss = F.cross_entropy(f3(x), y)
-            mp3.backward(loss)
-            mp3.step()
-            mp3.zero_grad(set_to_none=False)
-        # torch.amp's best on the same step: the compiled model (CUDA graphs on CUDA) and the eager
-        # fused optimizer and GradScaler, as a user who compiles the model writes it.
-        m4 = mlp(width, depth, device)
-        opt4 = torch.optim.AdamW(m4.parameters(), lr=1e-4, fused=True)
-        scaler4 = torch.amp.GradScaler(device.type, enabled=low == torch.float16)
-        f4 = torch.compile(m4, mode=mode, backend=backend)
 
-        def theirs_compiled():
-            with torch.autocast(device.type, dtype=low):
-                loss = F.cross_entropy(f4(x), y)
-            scaler4.scale(loss).backward()
-            scaler4.step(opt4)
-            scaler4.update()
-            opt4.zero_grad(set_to_none=False)
-        for _ in range(3):                   # compile outside the timed warm-up
-            ours_compiled()
-            theirs_compiled()
-        fns["mixprec compiled"] = ours_compiled
-        fns["torch.amp compiled"] = theirs_compiled
-    return interleave(fns, reps, device)
+def _compiled_steps(recipe, device, width, depth, x, y, low, backend) -> dict:
+    """mixprec's compiled model and step, and torch.amp's compiled model, each compiled by three calls."""
+    # The compiled variant: torch.compile(model) and mp.compile_step(); on CUDA as CUDA graphs
+    # (gradients zeroed in place so they keep their addresses).
+    m3 = mlp(width, depth, device)
+    mp3 = mixprec.MixedPrecision(m3, torch.optim.AdamW(m3.parameters(), lr=1e-4, fused=True), recipe)
+    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+    mp3.compile_step(mode=mode, backend=backend)
+    f3 = torch.compile(m3, mode=mode, backend=backend)
+
+    def ours_compiled():
+        with mp3.autocast():
+            loss = F.cross_entropy(f3(x), y)
+        mp3.backward(loss)
+        mp3.step()
+        mp3.zero_grad(set_to_none=False)
+    # torch.amp's best on the same step: the compiled model (CUDA graphs on CUDA) and the eager
+    # fused optimizer and GradScaler, as a user who compiles the model writes it.
+    m4 = mlp(width, depth, device)
+    opt4 = torch.optim.AdamW(m4.parameters(), lr=1e-4, fused=True)
+    scaler4 = torch.amp.GradScaler(device.type, enabled=low == torch.float16)
+    f4 = torch.compile(m4, mode=mode, backend=backend)
+
+    def theirs_compiled():
+        with torch.autocast(device.type, dtype=low):
+            loss = F.cross_entropy(f4(x), y)
+        scaler4.scale(loss).backward()
+        scaler4.step(opt4)
+        scaler4.update()
+        opt4.zero_grad(set_to_none=True)
+    for _ in range(3):                   # compile outside the timed warm-up
+        ours_compiled()
+        theirs_compiled()
+    return {"mixprec compiled": ours_compiled, "torch.amp compiled": theirs_compiled}
 
 
 def optimizer_step(device, width, depth, reps, clip=1.0):
@@ -204,6 +213,9 @@ def main():
         t = whole_step(recipe, device, args.width, args.depth, args.batch, args.reps, not args.no_compile,
                        args.backend)
         row(f"whole step, {recipe}", t["mixprec"], t["torch.amp"])
+        if "compiled error" in t:
+            print(f"whole step, {recipe}, compiled: failed: {t['compiled error']}", flush=True)
+            rows.append([f"whole step, {recipe}, compiled", "-", "failed", "-", t["compiled error"]])
         if "mixprec compiled" in t:
             row(f"whole step, {recipe}, compiled", t["mixprec compiled"], t["torch.amp"])
             row(f"whole step, {recipe}, compiled", t["mixprec compiled"], t["torch.amp compiled"],

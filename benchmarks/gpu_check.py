@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,10 +54,18 @@ class Part:
     commands: list        # (label, argv, markdown file or None) run in order
 
 
+# The CUDA test files, the code written since the last GPU run (2026-11-22) first and the compile
+# tests (minutes of Inductor) last; any file not named here runs after these.
+_TEST_ORDER = ("test_fp8_cuda", "test_cuda", "test_doctor_cuda", "test_issue16_cuda", "test_oplists_cuda",
+               "test_usage_checks_cuda", "test_grad_norm_cuda", "test_memory_cuda", "test_diagnostics_gpu",
+               "test_lab_reports_cuda", "test_nccl", "test_compile_cuda")
+
+
 def _gpu_tests() -> list[str]:
-    """tests/gpu, newest first (the code written since the last GPU run comes first), and the file
-    outside it that holds a gpu-marked test (the Hopper block kernel)."""
-    files = sorted((ROOT / "tests" / "gpu").glob("test_*.py"), key=lambda p: -p.stat().st_mtime)
+    """tests/gpu in _TEST_ORDER, then the file outside it that holds a gpu-marked test (the Hopper
+    block kernel)."""
+    files = sorted((ROOT / "tests" / "gpu").glob("test_*.py"),
+                   key=lambda p: _TEST_ORDER.index(p.stem) if p.stem in _TEST_ORDER else len(_TEST_ORDER))
     return [str(p.relative_to(ROOT)) for p in files] + ["tests/test_fp8_blocked.py"]
 
 
@@ -80,9 +87,9 @@ def parts(dry: bool, tmp: Path, py: str) -> list[Part]:
         inspect = ["--benchmark", "gpt2", "--recipes", "bf16", "fp16-pure", "fp8"]
     md = lambda name: str(tmp / f"{name}.md")
     return [
-        Part("tests", "a. CUDA tests", 100, 20, [
+        Part("tests", "a. CUDA tests", 130, 20, [
             ("pytest", [py, "-m", "pytest", "-q", "-rs", "-p", "gpu_check_plugin", "-p", "no:cacheprovider",
-                        "--junitxml", str(tmp / "tests.xml"), *_gpu_tests(), "-m", "gpu"], None)]),
+                        *_gpu_tests(), "-m", "gpu"], None)]),
         Part("parity", "b. The default loop against torch.amp's (ratio < 1: mixprec faster)", 120, 30, [
             ("eager", [py, b + "bench_parity.py", *dev, *parity_sizes, *parity_pairs, "--models", "lm-gpu,lm",
                        "--recipes", "bf16,fp16", "--modes", "eager", "--optimizers", "fused",
@@ -106,25 +113,21 @@ def parts(dry: bool, tmp: Path, py: str) -> list[Part]:
     ]
 
 
-def tests_table(xml_path: Path) -> str:
-    """One row per test file from pytest's JUnit XML: passed, failed, skipped, seconds, first failure."""
-    if not xml_path.exists():
-        return "(pytest wrote no report: it was stopped before the end)"
+def tests_table(results: Path) -> str:
+    """One row per test file from the plugin's records (benchmarks/gpu_check_plugin.py): passed,
+    failed, skipped, seconds, first failure. A run cut off at its time limit shows what it reached."""
+    if not results.exists():
+        return "(no test finished: pytest was stopped before its first result, or collected nothing)"
     files: dict[str, list] = {}
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
-        dotted = case.get("classname", "").split(".")        # module path, then a class if any
-        name = next((f for i in range(len(dotted), 0, -1)
-                     if (ROOT / (f := "/".join(dotted[:i]) + ".py")).exists()), ".".join(dotted))
-        row = files.setdefault(name, [0, 0, 0, 0.0, ""])
-        row[3] += float(case.get("time", 0))
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-        if bad is not None:
+    for line in results.read_text().splitlines():
+        r = json.loads(line)
+        row = files.setdefault(r["file"], [0, 0, 0, 0.0, ""])
+        row[3] += r["seconds"]
+        if r["outcome"] == "failed":
             row[1] += 1
-            row[4] = row[4] or f"{case.get('name')}: {(bad.get('message') or '').splitlines()[0][:120]}"
-        elif case.find("skipped") is not None:
-            row[2] += 1
+            row[4] = row[4] or f"{r['test']}: {r['message']}"
         else:
-            row[0] += 1
+            row[0 if r["outcome"] == "passed" else 2] += 1
     lines = ["| file | passed | failed | skipped | s | first failure |", "|---|---|---|---|---|---|"]
     lines += [f"| {f} | {p} | {x} | {s} | {t:.1f} | {msg.replace('|', '/')} |"
               for f, (p, x, s, t, msg) in files.items()]
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--parts takes a comma list of {', '.join(known)}; got {args.parts!r}")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT / "src"), str(ROOT / "benchmarks")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env["GPU_CHECK_RESULTS"] = str(tmp / "tests.jsonl")
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""          # the CPU paths even on a machine with a GPU
     report, log = out / "gpu_check.md", out / "gpu_check.log"
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     if md and Path(md).exists():
                         body.append(Path(md).read_text())
                     elif w == "tests":
-                        body.append(tests_table(tmp / "tests.xml"))
+                        body.append(tests_table(tmp / "tests.jsonl"))
                     elif label == "memory":
                         body.append(memory_table(tmp / "inspect.json"))
                     else:

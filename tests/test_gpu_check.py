@@ -19,19 +19,32 @@ import gpu_check  # noqa: E402
 
 
 def test_tests_table_counts_each_file_and_names_its_first_failure(tmp_path):
-    xml = tmp_path / "t.xml"
-    xml.write_text(
-        '<testsuites><testsuite>'
-        '<testcase classname="tests.gpu.test_cuda" name="test_a" time="1.5"/>'
-        '<testcase classname="tests.gpu.test_cuda.TestX" name="test_b" time="0.5">'
-        '<failure message="boom&#10;second line">tb</failure></testcase>'
-        '<testcase classname="tests.gpu.test_cuda" name="test_c" time="0.25"><failure message="later"/></testcase>'
-        '<testcase classname="tests.test_fp8_blocked" name="test_d" time="0.1"><skipped message="no"/></testcase>'
-        '</testsuite></testsuites>')
-    rows = gpu_check.tests_table(xml).splitlines()[2:]
-    assert rows == ["| tests/gpu/test_cuda.py | 1 | 2 | 0 | 2.2 | test_b: boom |",
+    rec = lambda f, t, outcome, s, msg="": json.dumps(dict(file=f, test=t, outcome=outcome, when="call",
+                                                           seconds=s, message=msg))
+    results = tmp_path / "tests.jsonl"
+    results.write_text("\n".join([
+        rec("tests/gpu/test_cuda.py", "test_a", "passed", 1.5),
+        rec("tests/gpu/test_cuda.py", "TestX::test_b", "failed", 0.5, "boom"),
+        rec("tests/gpu/test_cuda.py", "test_c", "failed", 0.25, "later"),
+        rec("tests/test_fp8_blocked.py", "test_d", "skipped", 0.1)]) + "\n")
+    rows = gpu_check.tests_table(results).splitlines()[2:]
+    assert rows == ["| tests/gpu/test_cuda.py | 1 | 2 | 0 | 2.2 | TestX::test_b: boom |",
                     "| tests/test_fp8_blocked.py | 0 | 0 | 1 | 0.1 |  |"]
-    assert "stopped before the end" in gpu_check.tests_table(tmp_path / "missing.xml")
+    assert "stopped before its first result" in gpu_check.tests_table(tmp_path / "missing.jsonl")
+
+
+def test_the_plugin_stops_a_file_at_its_first_failure_and_records_as_it_goes(tmp_path):
+    """A real pytest run through the plugin: the failing file's later tests skip, the other file runs on."""
+    (tmp_path / "test_one.py").write_text("def test_a():\n    assert 1 == 2\n\ndef test_b():\n    pass\n")
+    (tmp_path / "test_two.py").write_text("def test_c():\n    pass\n")
+    results = tmp_path / "out.jsonl"
+    env = dict(__import__("os").environ, GPU_CHECK_RESULTS=str(results),
+               PYTHONPATH=str(ROOT / "benchmarks"))
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "gpu_check_plugin", "-p", "no:cacheprovider",
+                    "test_one.py", "test_two.py"], cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    got = [(r["file"], r["test"], r["outcome"]) for r in map(json.loads, results.read_text().splitlines())]
+    assert got == [("test_one.py", "test_a", "failed"), ("test_one.py", "test_b", "skipped"),
+                   ("test_two.py", "test_c", "passed")]
 
 
 def test_memory_table_divides_the_allocators_peak_by_the_prediction(tmp_path):
