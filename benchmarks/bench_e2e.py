@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=LlamaConfig.layers,
-                    help=f"decoder blocks (default {LlamaConfig.layers}: 648M parameters; 4 gives 335M)")
+                    help=f"decoder blocks (default {LlamaConfig.layers}: 648M parameters; 4 gives 340M)")
     ap.add_argument("--backend", default="inductor",
                     help="torch.compile backend of the compiled rows (aot_eager: a quick check of the code path)")
     ap.add_argument("--markdown", metavar="PATH", help="also write the table as markdown to PATH (after each row)")

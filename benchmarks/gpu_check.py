@@ -10,7 +10,7 @@ start in the time left is skipped with a line saying so:
               weights compared: a GPU-bound transformer (lm-gpu) and a host-bound one (lm), eager and
               ``torch.compile``d;
   c. fp8      fp8 per-tensor and rowwise against torch.amp bf16 and torchao float8 (tensorwise and
-              rowwise), compiled, on a 335M-parameter Llama (benchmarks/bench_e2e.py --layers 4);
+              rowwise), compiled, on a 340M-parameter Llama (benchmarks/bench_e2e.py --layers 4);
   d. host     the host-bound step (a 64-wide MLP, batch 8) eager and captured (``torch.compile`` +
               ``mp.compile_step(mode="reduce-overhead")``: CUDA graphs) against torch.amp eager and
               compiled (benchmarks/bench_step.py);
