@@ -140,6 +140,10 @@ def wrap_ddp(engine: _DdpEngine, *, comm_dtype: str | None = None, process_group
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if "fp8_all_gather" in ddp_kwargs:
+        raise ValueError("fp8_all_gather: DDP replicates the weights, so there is no all-gather to run in "
+                         "fp8 (each rank casts its own whole weight, as on one process). The e4m3 all-gather "
+                         "is FSDP2's: shard_model(model, recipe) before building MixedPrecision")
     if not dist.is_initialized():
         raise ValueError("wrap_ddp needs torch.distributed initialized: call dist.init_process_group(...) "
                          "first (torchrun sets the environment)")

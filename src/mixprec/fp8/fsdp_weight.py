@@ -185,11 +185,13 @@ class Fp8ShardWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """The shard as e4m3 bytes (what goes on the wire) and the global scale (metadata, not sent)."""
         scale, amax = self._scales.scale_of(self._index)
-        return (cast_to_fp8(self._data, scale, FP8_E4M3),), (scale, amax)
+        # Sent as the raw bytes (uint8): gloo has no float8 type, and a byte is a byte on any backend.
+        return (cast_to_fp8(self._data, scale, FP8_E4M3).view(torch.uint8),), (scale, amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered e4m3 weight; on later gathers FSDP refills the same storage and passes ``out``."""
         (data,), (scale, amax) = outputs, metadata
+        data = data.view(FP8_E4M3.torch_dtype)          # the same storage, read as e4m3 again
         if out is not None:
             out._scale, out._amax = scale, amax
             return None
@@ -310,10 +312,15 @@ def prepare_fp8_gather(model: nn.Module, world: int, want: bool | None) -> Fp8Ga
     layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "fp8_config")]
     blockers = {n: fp8_gather_blocker(m, world) for n, m in layers}
     if want:
-        bad = [f"{n or '<the model>'}: {why}" for n, why in blockers.items() if why]
-        if bad:
-            raise ValueError(f"fp8_all_gather=True, but {len(bad)} fp8 layer(s) cannot gather in e4m3: "
-                             + "; ".join(bad[:4]) + ("; ..." if len(bad) > 4 else "") +
+        by_reason: dict[str, list[str]] = {}
+        for n, why in blockers.items():
+            if why:
+                by_reason.setdefault(why, []).append(n or "<the model>")
+        if by_reason:
+            shown = "; ".join(f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}: {why}"
+                              for why, names in by_reason.items())
+            raise ValueError(f"fp8_all_gather=True, but {sum(map(len, by_reason.values()))} fp8 layer(s) "
+                             f"cannot gather in e4m3: {shown}" +
                              ". Leave fp8_all_gather unset (those layers then gather in the parameter "
                              "dtype and cast after the gather) or change the recipe/layer")
     chosen = [(n, m) for n, m in layers if want is not False and blockers[n] is None]
