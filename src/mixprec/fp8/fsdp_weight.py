@@ -79,14 +79,12 @@ class Fp8GatherScales:
         """After ``fully_shard``: hold the layers' sharded parameters and the group their ranks form."""
         self.weights, self.group = [m.weight for m in self.layers], group
 
-    def _versions_now(self) -> list[tuple[int, ...]]:
+    def _version(self, index: int) -> tuple[int, int, int]:
         # In-place writes bump the version of the tensor they were called on: the optimizer's (through
         # the DTensor) the parameter's, a write to the local shard that one's, below it the data's.
-        out = []
-        for w in self.weights:
-            local = w._local_tensor if hasattr(w, "_local_tensor") else w
-            out.append((w._version, local._version, getattr(local, "_data", local)._version))
-        return out
+        w = self.weights[index]
+        local = w._local_tensor if hasattr(w, "_local_tensor") else w
+        return w._version, local._version, getattr(local, "_data", local)._version
 
     def _shards(self) -> list[torch.Tensor]:
         out = []
@@ -95,9 +93,9 @@ class Fp8GatherScales:
             out.append(local._data if isinstance(local, Fp8ShardWeight) else local)
         return out
 
-    def stale(self) -> bool:
-        """Whether any weight changed in place since the last refresh (or none ran yet)."""
-        return self.scale is None or self._versions_now() != self._versions
+    def stale(self, index: int) -> bool:
+        """Whether weight ``index`` changed in place since the last refresh (or none ran yet)."""
+        return self.scale is None or self._version(index) != self._versions[index]
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -117,12 +115,16 @@ class Fp8GatherScales:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
         self.amax = local
         self.scale = current_scale(local, FP8_E4M3, margin=self.margin, pow2=self.pow2)
-        self._versions = self._versions_now()
+        self._versions = [self._version(i) for i in range(len(self.weights))]
         self.refreshes += 1
 
     def scale_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, amax)`` of weight ``index``, refreshing all of them first if any changed."""
-        if self.stale():
+        """``(scale, amax)`` of weight ``index``, refreshing all of them first if it changed.
+
+        Checking this one weight keeps each gather O(1): the weights change together (an optimizer
+        step), so the step's first gather refreshes all; a weight changed alone refreshes at its own.
+        """
+        if self.stale(index):
             self.refresh()
         assert self.scale is not None and self.amax is not None
         return self.scale[index], self.amax[index]
