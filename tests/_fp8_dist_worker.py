@@ -74,9 +74,16 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
 
 
-def build(recipe: str, *, distributed: bool, fp8_all_gather: bool | None = None):
+def build(recipe: str, *, distributed: bool, fp8_all_gather: bool | None = None, own: bool = False):
+    """The engine on TinyLM: on one process, sharded by shard_model, or (``own``) by the user's own
+    fully_shard calls, the same units as shard_model's (the engine then swaps the FSDP-held linears)."""
     model = tiny_lm()
-    if distributed:
+    if own:
+        from torch.distributed.fsdp import fully_shard
+        for m in [m for m in model.modules() if isinstance(m, nn.Linear)]:
+            fully_shard(m)
+        fully_shard(model)
+    elif distributed:
         shard_model(model, recipe, units=(nn.Linear,), fp8_all_gather=fp8_all_gather)
     mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), recipe,
                                 clip_grad_norm=1.0)
@@ -206,7 +213,7 @@ def worker(rank: int, world: int, out_dir: str, scenarios: list[dict]) -> None:
             results[name] = gathered_weights_match(build("fp8", distributed=True))
             continue
         batches = global_batches(sc["steps"])
-        mp = build(sc["recipe"], distributed=True, fp8_all_gather=sc.get("fp8_all_gather"))
+        mp = build(sc["recipe"], distributed=True, fp8_all_gather=sc.get("fp8_all_gather"), own=sc.get("own", False))
         if "resume_at" not in sc:
             with Wire() as wire:
                 results[name] = train(mp, batches, rank, world, plants=sc.get("plants"), wire=wire)

@@ -36,6 +36,7 @@ SKIPS = [False, False, True, False]
 def _scenarios(resume: bool):
     out = [{"name": "on", "recipe": "fp8", "steps": STEPS, "plants": PLANTS},
            {"name": "off", "recipe": "fp8", "steps": STEPS, "fp8_all_gather": False, "plants": PLANTS},
+           {"name": "own", "recipe": "fp8", "steps": STEPS, "own": True, "plants": PLANTS},
            {"name": "gathered"}, {"name": "messages"}]
     if resume:
         out.append({"name": "resume", "recipe": "fp8", "steps": STEPS, "resume_at": 3})
@@ -76,6 +77,21 @@ def _check_world(ranks, world: int) -> None:
 
 def test_e4m3_gather_is_bit_for_bit_the_whole_weight_cast_and_trains_the_same(two):
     _check_world(two, 2)
+
+
+def test_own_fully_shard_then_the_engine_swaps_in_place(two):
+    """fully_shard called by the user, then MixedPrecision(..., "fp8"): the engine makes the FSDP-held
+    linears fp8 in place (FSDP2 keeps hooks on those very modules), their weights gathered in fp32
+    and cast by each layer: bit for bit the shard_model run with fp8_all_gather=False, and the
+    report says how each weight is gathered."""
+    for r in range(2):
+        own, off = two[r]["own"], two[r]["off"]
+        assert [s["skipped"] for s in own] == SKIPS
+        for a, b in zip(own, off):
+            assert _equal(a["params"], b["params"])
+        assert own[0]["wire"]["gathered"] == off[0]["wire"]["gathered"]
+    lines = [ln for ln in two[0]["own:report"].splitlines() if ln.strip().startswith(("blocks", "head"))]
+    assert len(lines) == 9 and all("fp8: weight all-gathered unscaled by your fully_shard" in ln for ln in lines)
 
 
 def test_wire_bytes_by_dtype(two):
