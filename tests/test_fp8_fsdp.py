@@ -171,6 +171,15 @@ def _saved(t):
     return buf
 
 
+def test_engine_before_shard_model_names_the_order():
+    import mixprec
+    from mixprec.distributed import shard_model
+    model = W.tiny_lm()
+    mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+    with pytest.raises(ValueError, match="already has fp8 layers.*shard_model\\(model, recipe\\) first"):
+        shard_model(model, "fp8", mesh=object())
+
+
 def test_ddp_has_no_all_gather_to_run_in_fp8():
     import mixprec
     model = W.tiny_lm()

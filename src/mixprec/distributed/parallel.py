@@ -108,6 +108,11 @@ def _prepare_fp8(model: nn.Module, recipe: Recipe, mesh: Any, want: bool | None,
         if fp8_filter is not None:
             raise ValueError(f"fp8_filter was given but recipe {recipe.label!r} has no fp8")
         return None
+    already = [n for n, m in model.named_modules() if hasattr(m, "fp8_config")]
+    if already:
+        raise ValueError(f"the model already has fp8 layers ({', '.join(already[:3])}): was MixedPrecision "
+                         "built on it before shard_model? Under FSDP2 the order is shard_model(model, recipe) "
+                         "first, then the optimizer and MixedPrecision on the sharded parameters")
     if mesh.ndim != 1:
         raise ValueError("shard_model takes a 1-D mesh (FSDP2); HSDP (2-D meshes) is not supported yet")
     backend, note = resolve_backend(recipe.fp8, next(model.parameters()).device)
