@@ -193,7 +193,7 @@ def messages() -> dict[str, str]:
         return "no error"
 
     out = {name: message(lambda r=recipe: shard_model(tiny_lm(), r, fp8_all_gather=True))
-           for name, recipe in (("delayed", "fp8-delayed"), ("rowwise", "fp8-rowwise"), ("bf16", "bf16"))}
+           for name, recipe in (("block", "fp8-block"), ("rowwise", "fp8-rowwise"), ("bf16", "bf16"))}
     # The default falls back, and says so per layer: rowwise trains with the weight gathered in fp32.
     mp = build("fp8-rowwise", distributed=True)
     out["rowwise_report"] = str(mp.fp8_report)

@@ -40,6 +40,10 @@ def _scenarios(resume: bool):
            {"name": "gathered"}, {"name": "messages"}]
     if resume:
         out.append({"name": "resume", "recipe": "fp8", "steps": STEPS, "resume_at": 3})
+        # Delayed scaling: the weight's scale from its amax history (entered with the global amax).
+        out += [{"name": "delayed-on", "recipe": "fp8-delayed", "steps": STEPS, "plants": PLANTS},
+                {"name": "delayed-off", "recipe": "fp8-delayed", "steps": STEPS, "fp8_all_gather": False,
+                 "plants": PLANTS}]
     return out
 
 
@@ -131,8 +135,8 @@ def test_against_one_process_on_the_whole_batch(two):
 
 def test_bad_input_names_the_layer_and_the_fallback_says_so(two):
     msg = two[0]["messages"]
-    assert "fp8_all_gather=True, but 9 fp8 layer(s) cannot" in msg["delayed"]
-    assert "blocks.0.qkv" in msg["delayed"] and "delayed scaling" in msg["delayed"]
+    assert "fp8_all_gather=True, but 9 fp8 layer(s) cannot" in msg["block"]
+    assert "blocks.0.qkv" in msg["block"] and "fp8=block scales blocks" in msg["block"]
     assert "fp8=rowwise scales blocks" in msg["rowwise"] and "blocks.0.qkv" in msg["rowwise"]
     assert "needs an fp8 recipe" in msg["bf16"]
     # The default falls back to gathering fp32 for rowwise, and every layer's report line says so.
@@ -148,7 +152,9 @@ def test_blocker_per_layer():
     assert fp8_gather_blocker(layer, 5) is not None          # 48 rows over 5 ranks: uneven
     assert "48 weight rows do not split evenly over 32 ranks" in fp8_gather_blocker(layer, 32)
     delayed = Fp8Linear.from_linear(nn.Linear(32, 48), Fp8Config.parse("delayed"), "emulate")
-    assert "delayed scaling" in fp8_gather_blocker(delayed, 2)
+    assert fp8_gather_blocker(delayed, 2) is None
+    rowwise = Fp8Linear.from_linear(nn.Linear(32, 48), Fp8Config.parse("rowwise"), "emulate")
+    assert "fp8=rowwise scales blocks" in fp8_gather_blocker(rowwise, 2)
     assert fp8_gather_blocker(nn.Linear(32, 48), 2) == "not an fp8 layer"
 
 
@@ -189,9 +195,17 @@ def test_ddp_has_no_all_gather_to_run_in_fp8():
 
 
 @pytest.mark.slow
-def test_four_ranks_and_resume(tmp_path_factory):
+def test_four_ranks_resume_and_delayed_scaling(tmp_path_factory):
     ranks = _spawn(tmp_path_factory, 4, resume=True)
     _check_world(ranks, 4)
+    for r in range(4):      # delayed scaling: the e4m3 gather bit for bit the fp32 gather, skips alike
+        on, off = ranks[r]["delayed-on"], ranks[r]["delayed-off"]
+        assert [s["skipped"] for s in on] == SKIPS
+        for a, b in zip(on, off):
+            assert _equal(a["params"], b["params"])
+        assert on[0]["wire"]["gathered"]["torch.uint8"] == 2 * W.fp8_weight_numel(W.tiny_lm())
+        # The histories change in every backward, skipped or not: one all_reduce of the amaxes each step.
+        assert [s["wire"]["all_reduces"] for s in on] == [[9, 1]] * STEPS
     for r in range(4):
         rec = ranks[r]["resume"]
         assert len(rec["whole"]) == len(rec["resumed"]) == STEPS - 3

@@ -61,12 +61,13 @@ def shard_model(model: nn.Module, recipe: str | Recipe, *, mesh: Any = None,
     over all ranks on the current device type.
 
     fp8 recipes: the eligible linears become ``Fp8Linear`` here, before sharding (``fp8_filter`` as
-    ``MixedPrecision`` takes it; the engine then finds them swapped). Under per-tensor current scaling
-    each one's weight shard is cast to e4m3 before FSDP2's all-gather (1 byte per parameter on the
-    wire; ``mixprec.fp8.fsdp_weight``), with the whole weight's scale from one all_reduce per step
-    for all layers. ``fp8_all_gather``: None (default) does it wherever it can and gathers the rest
-    in the parameter dtype (the fp8 report names each layer's way and why); True makes any layer that
-    cannot (delayed or blocked scaling, uneven shards) a ValueError naming it; False turns it off.
+    ``MixedPrecision`` takes it; the engine then finds them swapped). Under per-tensor scaling
+    (current or delayed) each one's weight shard is cast to e4m3 before FSDP2's all-gather (1 byte
+    per parameter on the wire; ``mixprec.fp8.fsdp_weight``), with the whole weight's scale from one
+    all_reduce per step for all layers. ``fp8_all_gather``: None (default) does it wherever it can
+    and gathers the rest in the parameter dtype (the fp8 report names each layer's way and why); True
+    makes any layer that cannot (blocked scalings, HF Conv1D, uneven shards) a ValueError naming it;
+    False turns it off.
     """
     from torch.distributed.fsdp import fully_shard
 

@@ -1,7 +1,7 @@
 """fp8 all-gather under FSDP2: an fp8 layer's weight shard is cast to e4m3 *before* the all-gather.
 
 FSDP2 (``fully_shard``) keeps each weight sharded along dim 0 and all-gathers it before the layer
-runs. For a per-tensor (current scaling) ``Fp8Linear`` the layer would cast the gathered fp32 weight
+runs. For a per-tensor (current or delayed scaling) ``Fp8Linear`` the layer would cast the gathered weight
 to e4m3 anyway, so the cast can move in front of the collective: the wire then carries 1 byte per
 weight element instead of 4 (fp32) or 2 (bf16), and the gathered fp8 bytes go straight into the fp8
 GEMM. Two tensor subclasses plug into FSDP2's own extension points:
@@ -41,7 +41,7 @@ from torch import nn
 from ..formats import FP8_E4M3
 from ..recipe.fp8 import Fp8Config
 from .linear import Fp8Linear
-from .scaling import cast_to_fp8, current_scale
+from .scaling import cast_to_fp8, current_scale, delayed_scale
 
 __all__ = ["Fp8ShardWeight", "Fp8GatheredWeight", "Fp8GatherScales", "gather_scales_of", "fp8_in_place",
            "unsharded_class"]
@@ -61,12 +61,16 @@ class Fp8GatherScales:
     """The scales of every fp8-gathered weight of one model, refreshed together by one all_reduce.
 
     ``weights``: the sharded parameters (DTensors after ``fully_shard``; their local tensors are
-    ``Fp8ShardWeight``), ``names`` their layers, ``group`` the FSDP process group. ``margin``/``pow2``
-    are the recipe's (``fp8=current(margin=..,pow2=..)``). ``refreshes`` counts the all_reduces run.
+    ``Fp8ShardWeight``), ``names`` their layers, ``group`` the FSDP process group, ``config`` the
+    recipe's per-tensor scaling (current or delayed). ``refreshes`` counts the all_reduces run.
+
+    Delayed scaling: the scale is ``delayed_scale`` of the layer's weight amax history (entered by
+    the layer's backward, with the global amax) and this step's global amax, as on one process; a
+    history that changed (a backward, a loaded checkpoint) makes the scales stale like a weight does.
     """
 
-    def __init__(self, names: list[str], margin: int, pow2: bool) -> None:
-        self.names, self.margin, self.pow2 = names, margin, pow2
+    def __init__(self, names: list[str], config: Fp8Config) -> None:
+        self.names, self.config = names, config
         self.layers: list[nn.Module] = []              # the fp8 layers, in ``names`` order
         self.weights: list[torch.Tensor] = []
         self.group: Any = None
@@ -79,12 +83,13 @@ class Fp8GatherScales:
         """After ``fully_shard``: hold the layers' sharded parameters and the group their ranks form."""
         self.weights, self.group = [m.weight for m in self.layers], group
 
-    def _version(self, index: int) -> tuple[int, int, int]:
+    def _version(self, index: int) -> tuple[int, ...]:
         # In-place writes bump the version of the tensor they were called on: the optimizer's (through
         # the DTensor) the parameter's, a write to the local shard that one's, below it the data's.
         w = self.weights[index]
         local = w._local_tensor if hasattr(w, "_local_tensor") else w
-        return w._version, local._version, getattr(local, "_data", local)._version
+        history = (self.layers[index].weight_history._version,) if self.config.delayed else ()
+        return (w._version, local._version, getattr(local, "_data", local)._version, *history)
 
     def _shards(self) -> list[torch.Tensor]:
         out = []
@@ -113,8 +118,13 @@ class Fp8GatherScales:
         local = torch.where(torch.isnan(local), torch.full_like(local, float("inf")), local)
         if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-        self.amax = local
-        self.scale = current_scale(local, FP8_E4M3, margin=self.margin, pow2=self.pow2)
+        self.amax, cfg = local, self.config
+        if cfg.delayed:
+            self.scale = torch.stack([delayed_scale(m.weight_history, local[i], m.weight_scale, FP8_E4M3,
+                                                    algo=cfg.amax, margin=cfg.margin, pow2=cfg.pow2)
+                                      for i, m in enumerate(self.layers)])
+        else:
+            self.scale = current_scale(local, FP8_E4M3, margin=cfg.margin, pow2=cfg.pow2)
         self._versions = [self._version(i) for i in range(len(self.weights))]
         self.refreshes += 1
 
@@ -291,10 +301,7 @@ def fp8_gather_blocker(layer: nn.Module, world: int) -> str | None:
         return "not an fp8 layer"
     if cfg.blocked:
         return (f"fp8={cfg.scaling.value} scales blocks of each GEMM operand; the e4m3 all-gather takes "
-                "per-tensor current scaling (fp8=current)")
-    if cfg.delayed:
-        return ("delayed scaling takes the weight's scale from the layer's amax history; the e4m3 "
-                "all-gather takes current scaling (fp8=current)")
+                "per-tensor scaling (fp8=current or delayed)")
     if unsharded_class(layer) is not Fp8Linear:
         return f"a {unsharded_class(layer).__name__}: the e4m3 all-gather covers Fp8Linear (weight (out, in))"
     if layer.out_features % world:
@@ -332,9 +339,7 @@ def prepare_fp8_gather(model: nn.Module, world: int, want: bool | None) -> Fp8Ga
                              + ("fp8_all_gather=False" if want is False else str(blockers[n])))
     if not chosen:
         return None
-    cfgs = {(m.fp8_config.margin, m.fp8_config.pow2) for _, m in chosen}
-    (margin, pow2), = cfgs                   # one recipe: one margin and pow2 for every layer
-    scales = Fp8GatherScales([n for n, _ in chosen], margin, pow2)
+    scales = Fp8GatherScales([n for n, _ in chosen], chosen[0][1].fp8_config)   # one recipe, one config
     for i, (_, m) in enumerate(chosen):
         w = m.weight
         m.weight = nn.Parameter(Fp8ShardWeight(w.detach(), scales, i), requires_grad=w.requires_grad)
