@@ -19,10 +19,11 @@ GEMM. Two tensor subclasses plug into FSDP2's own extension points:
 The scale is the one the unsharded weight would get, ``448 / max|W|``: the max of the shards' amaxes
 (a max is exact in any order, so the fp8 bytes equal those of casting the whole weight). All fp8
 weights' shard amaxes travel in ONE all_reduce (MAX) per step (``Fp8GatherScales.refresh``), run by
-the first all-gather that finds a weight changed since the last refresh (its data's version counter
-moved: an optimizer step, a checkpoint load). The backward's re-gather finds nothing changed and
-reuses the scales; a skipped step changes no weight and runs no all_reduce. A NaN or inf shard amax
-is sent as +inf, so every rank gets the same non-finite amax and, as on one process, the scale 1.
+the first all-gather that finds its weight changed since the last refresh (the parameter's version
+counter moved: an optimizer step, a checkpoint load). The backward's re-gather finds nothing changed
+and reuses the scales; a skipped step changes no weight and runs no all_reduce (under delayed scaling
+the amax histories change in every backward, so it runs every step). A NaN or inf shard amax is sent
+as +inf, so every rank gets the same non-finite amax and, as on one process, the scale 1.
 
     scale(W) = current_scale(max over ranks r of max|W_r|)        one all_reduce for all layers
     q_r = e4m3(W_r * scale)                                        on each rank, before the gather
