@@ -74,10 +74,11 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
 
 
-def build(recipe: str, *, distributed: bool, fp8_all_gather: bool | None = None, own: bool = False):
+def build(recipe: str, *, distributed: bool, fp8_all_gather: bool | None = None, own: bool = False,
+          device: torch.device = torch.device("cpu")):
     """The engine on TinyLM: on one process, sharded by shard_model, or (``own``) by the user's own
     fully_shard calls, the same units as shard_model's (the engine then swaps the FSDP-held linears)."""
-    model = tiny_lm()
+    model = tiny_lm().to(device)
     if own:
         from torch.distributed.fsdp import fully_shard
         for m in [m for m in model.modules() if isinstance(m, nn.Linear)]:
@@ -91,7 +92,7 @@ def build(recipe: str, *, distributed: bool, fp8_all_gather: bool | None = None,
 
 
 def full_params(model: nn.Module) -> list[torch.Tensor]:
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
             for p in model.parameters()]
 
 
@@ -150,7 +151,7 @@ def train(mp, batches, rank: int, world: int, *, plants=None, start: int = 0, wi
     rows = GLOBAL_BATCH // world
     records = []
     for step in range(start, len(batches)):
-        ids = batches[step][rank * rows:(rank + 1) * rows]
+        ids = batches[step][rank * rows:(rank + 1) * rows].to(next(mp.model.parameters()).device)
         with mp.autocast():
             loss = loss_of(mp.model, ids)
         mp.backward(loss)
@@ -178,7 +179,7 @@ def gathered_weights_match(mp) -> dict[str, bool]:
             m.register_forward_pre_hook(lambda mod, args, name=name: seen.update(
                 {name: [t.clone() for t in mod.weight.fp8_weight()]}))    # FSDP frees the gathered storage after
     with torch.no_grad(), mp.autocast():
-        loss_of(mp.model, global_batches(1)[0][:2])
+        loss_of(mp.model, global_batches(1)[0][:2].to(next(mp.model.parameters()).device))
     return {n: n in seen and torch.equal(seen[n][0].view(torch.uint8), q.view(torch.uint8))
             and torch.equal(seen[n][1], s) for n, (q, s) in expect.items()}
 
@@ -201,7 +202,10 @@ def messages() -> dict[str, str]:
     return out
 
 
-def worker(rank: int, world: int, out_dir: str, scenarios: list[dict]) -> None:
+def worker(rank: int, world: int, out_dir: str, scenarios: list[dict], device_type: str = "cpu") -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.set_num_threads(1)
     results = {}
     for sc in scenarios:
@@ -210,10 +214,11 @@ def worker(rank: int, world: int, out_dir: str, scenarios: list[dict]) -> None:
             results[name] = messages()
             continue
         if name == "gathered":
-            results[name] = gathered_weights_match(build("fp8", distributed=True))
+            results[name] = gathered_weights_match(build("fp8", distributed=True, device=device))
             continue
         batches = global_batches(sc["steps"])
-        mp = build(sc["recipe"], distributed=True, fp8_all_gather=sc.get("fp8_all_gather"), own=sc.get("own", False))
+        mp = build(sc["recipe"], distributed=True, fp8_all_gather=sc.get("fp8_all_gather"), own=sc.get("own", False),
+                   device=device)
         if "resume_at" not in sc:
             with Wire() as wire:
                 results[name] = train(mp, batches, rank, world, plants=sc.get("plants"), wire=wire)
@@ -223,7 +228,7 @@ def worker(rank: int, world: int, out_dir: str, scenarios: list[dict]) -> None:
         first = train(mp, batches[:k], rank, world)
         save_distributed_checkpoint(path, mp, extra={"step": k})
         whole = first + train(mp, batches, rank, world, start=k)
-        mp2 = build(sc["recipe"], distributed=True)
+        mp2 = build(sc["recipe"], distributed=True, device=device)
         step = load_distributed_checkpoint(path, mp2)["step"]
         results[name] = {"whole": whole[k:], "resumed": train(mp2, batches, rank, world, start=step)}
         dist.barrier()
