@@ -36,9 +36,9 @@ SKIPS = [False, False, True, False]
 def _scenarios(resume: bool):
     out = [{"name": "on", "recipe": "fp8", "steps": STEPS, "plants": PLANTS},
            {"name": "off", "recipe": "fp8", "steps": STEPS, "fp8_all_gather": False, "plants": PLANTS},
-           {"name": "own", "recipe": "fp8", "steps": STEPS, "own": True, "plants": PLANTS},
            {"name": "gathered"}, {"name": "messages"}]
-    if resume:
+    if resume:          # the slow spawn: the user's own fully_shard, a resume, delayed scaling
+        out.append({"name": "own", "recipe": "fp8", "steps": STEPS, "own": True, "plants": PLANTS})
         out.append({"name": "resume", "recipe": "fp8", "steps": STEPS, "resume_at": 3})
         # Delayed scaling: the weight's scale from its amax history (entered with the global amax).
         out += [{"name": "delayed-on", "recipe": "fp8-delayed", "steps": STEPS, "plants": PLANTS},
@@ -83,18 +83,18 @@ def test_e4m3_gather_is_bit_for_bit_the_whole_weight_cast_and_trains_the_same(tw
     _check_world(two, 2)
 
 
-def test_own_fully_shard_then_the_engine_swaps_in_place(two):
+def _check_own_fully_shard(ranks, world: int) -> None:
     """fully_shard called by the user, then MixedPrecision(..., "fp8"): the engine makes the FSDP-held
     linears fp8 in place (FSDP2 keeps hooks on those very modules), their weights gathered in fp32
     and cast by each layer: bit for bit the shard_model run with fp8_all_gather=False, and the
     report says how each weight is gathered."""
-    for r in range(2):
-        own, off = two[r]["own"], two[r]["off"]
+    for r in range(world):
+        own, off = ranks[r]["own"], ranks[r]["off"]
         assert [s["skipped"] for s in own] == SKIPS
         for a, b in zip(own, off):
             assert _equal(a["params"], b["params"])
         assert own[0]["wire"]["gathered"] == off[0]["wire"]["gathered"]
-    lines = [ln for ln in two[0]["own:report"].splitlines() if ln.strip().startswith(("blocks", "head"))]
+    lines = [ln for ln in ranks[0]["own:report"].splitlines() if ln.strip().startswith(("blocks", "head"))]
     assert len(lines) == 9 and all("fp8: weight all-gathered unscaled by your fully_shard" in ln for ln in lines)
 
 
@@ -195,9 +195,10 @@ def test_ddp_has_no_all_gather_to_run_in_fp8():
 
 
 @pytest.mark.slow
-def test_four_ranks_resume_and_delayed_scaling(tmp_path_factory):
+def test_four_ranks_own_fully_shard_resume_and_delayed_scaling(tmp_path_factory):
     ranks = _spawn(tmp_path_factory, 4, resume=True)
     _check_world(ranks, 4)
+    _check_own_fully_shard(ranks, 4)
     for r in range(4):      # delayed scaling: the e4m3 gather bit for bit the fp32 gather, skips alike
         on, off = ranks[r]["delayed-on"], ranks[r]["delayed-off"]
         assert [s["skipped"] for s in on] == SKIPS
