@@ -12,6 +12,9 @@ casting after the gather), an inf planted on rank 0 at step 2. What must hold:
   fp32; the scales cost ONE extra all_reduce per step (one element per fp8 layer), none after a
   skipped step (the weights did not change);
 - skips in lockstep, and against the 1-process fp8 run on the whole batch a stated tolerance.
+
+The default suite spawns 2 ranks once; the slow test spawns 4 and adds the user's own fully_shard
+(the engine swapping FSDP-held linears in place), a sharded-checkpoint resume and delayed scaling.
 """
 
 from __future__ import annotations
