@@ -6,8 +6,17 @@
 2. A whole DDP training step with fp32 gradient all-reduce against torch's 16-bit compression hook
    (``wrap_ddp(comm_dtype="bf16")``): half the bytes on the wire, plus two casts per bucket.
 
+3. ``--fsdp-fp8``: an fp8 recipe under FSDP2 (``shard_model``) with the e4m3 all-gather on against
+   off (``fp8_all_gather=False``: the weights gathered in fp32 and cast by each layer): bytes each
+   rank's all-gathers assemble per step, by dtype (counted at ``dist.all_gather_single``), and the
+   time of a whole step; then the cast-before-gather alone (one weight shard to e4m3 with its
+   precomputed scale) against the bf16 cast FSDP2 would make with ``param_dtype=bf16``, and the
+   scales' all_reduce. On one GPU (``--nproc 1 --device cuda``, NCCL, world size 1) the all-gather is a
+   local copy: what it measures is the cast's cost, not the wire's.
+
 Prints rank 0's medians and ratios. Usage:
     python benchmarks/bench_dist.py [--nproc 2] [--device cpu|cuda] [--width 1024] [--reps 30]
+    python benchmarks/bench_dist.py --fsdp-fp8 [--nproc 2] [--device cpu|cuda] [--width 1024] [--reps 10]
 """
 
 from __future__ import annotations
@@ -111,6 +120,103 @@ def _rank(rank: int, world: int, device_type: str, width: int, reps: int, recipe
               f"{med['iteration: bf16 all-reduce'] / med['iteration: fp32 all-reduce']:.3f}x")
 
 
+def _fsdp_fp8_rank(rank: int, world: int, device_type: str, width: int, reps: int, _recipe: str,
+                   threads: int) -> None:
+    """fp8 under FSDP2, e4m3 all-gather on vs off: bytes per step by dtype, step time, the cast alone."""
+    import collections
+
+    from mixprec.distributed import shard_model
+    from mixprec.fp8.fsdp_weight import gather_scales_of
+
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    x = torch.randn(64, width, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+    gathered: collections.Counter = collections.Counter()
+    orig = dist.all_gather_single
+
+    def counting_all_gather(output, input, *a, **k):
+        gathered[str(output.dtype).replace("torch.", "")] += output.numel() * output.element_size()
+        return orig(output, input, *a, **k)
+
+    def engine(on: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width, bias=False), nn.GELU())],
+                              nn.Linear(width, 16, bias=False)).to(device)
+        shard_model(model, "fp8", units=(nn.Linear,), fp8_all_gather=on)
+        return mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=device.type == "cuda"),
+                                      "fp8")
+
+    def iteration(mp) -> float:
+        _sync(device)
+        dist.barrier()
+        t = time.perf_counter()
+        with mp.autocast():
+            mp.backward(F.cross_entropy(mp.model(x), y))
+        mp.step()
+        mp.zero_grad()
+        _sync(device)
+        return time.perf_counter() - t
+
+    engines = {"e4m3 all-gather": engine(True), "fp32 all-gather": engine(False)}
+    wire = {}
+    dist.all_gather_single = counting_all_gather
+    try:
+        for name, mp in engines.items():
+            iteration(mp)                      # first step: lazy init, the first scale refresh
+            gathered.clear()
+            iteration(mp)
+            wire[name] = dict(gathered)
+    finally:
+        dist.all_gather_single = orig
+    times = {name: [] for name in engines}
+    for i in range(reps + 2):
+        for name, mp in (list(engines.items()) if i % 2 == 0 else list(engines.items())[::-1]):
+            dt = iteration(mp)
+            if i >= 2:
+                times[name].append(dt)
+    # The cast alone, on this rank's shard of the first weight.
+    scales = gather_scales_of(engines["e4m3 all-gather"].model)
+    shard = scales.weights[0]._local_tensor
+    cast_times, bf16_times, refresh_times = [], [], []
+    for _ in range(reps + 2):
+        _sync(device)
+        t = time.perf_counter()
+        shard.fsdp_pre_all_gather(None, None, None, None, None)
+        _sync(device)
+        cast_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        shard._data.to(torch.bfloat16)
+        _sync(device)
+        bf16_times.append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        scales.refresh()
+        _sync(device)
+        refresh_times.append(time.perf_counter() - t)
+    if rank == 0:
+        params = sum(p.numel() for p in engines["fp32 all-gather"].model.parameters())
+        print(f"fp8 under FSDP2: {world} rank(s) ({default_backend(device_type)}), {device_type}, "
+              f"{params / 1e6:.2f}M params in {len(scales.names)} fp8 linears, {reps} interleaved reps, "
+              f"{threads} thread(s) per rank")
+        for name in engines:
+            total = sum(wire[name].values())
+            print(f"  {name}: {total:,} bytes gathered per step per rank {wire[name]}, "
+                  f"step {statistics.median(times[name]) * 1e3:.3f} ms")
+        # World size 1: FSDP2 copies instead of calling the collective (0 bytes), but the pre- and
+        # post-all-gather hooks still run: the scales' refresh count shows the e4m3 path was taken.
+        ratio = sum(wire["e4m3 all-gather"].values()) / max(1, sum(wire["fp32 all-gather"].values()))
+        print(f"  scale refreshes (one per changed step): {scales.refreshes}; "
+              f"bytes e4m3 / fp32 gather: {ratio:.3f}; step time e4m3 / fp32 gather: "
+              f"{statistics.median(times['e4m3 all-gather']) / statistics.median(times['fp32 all-gather']):.3f}x")
+        med = statistics.median
+        print(f"  one shard {tuple(shard.shape)}: cast to e4m3 before the gather {med(cast_times[2:]) * 1e3:.4f} ms, "
+              f"bf16 cast {med(bf16_times[2:]) * 1e3:.4f} ms; the scales' all_reduce "
+              f"({len(scales.names)} amaxes) {med(refresh_times[2:]) * 1e3:.4f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
@@ -119,7 +225,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--recipes", default="fp32,bf16")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fsdp-fp8", action="store_true",
+                        help="fp8 under FSDP2: the e4m3 all-gather on against off (bytes, step time, cast cost)")
     args = parser.parse_args()
+    if args.fsdp_fp8:
+        run_processes(_fsdp_fp8_rank, args.nproc, (args.device, args.width, args.reps, "fp8", args.threads),
+                      backend=default_backend(args.device), timeout_s=600)
+        return
     for recipe in args.recipes.split(","):
         run_processes(_rank, args.nproc, (args.device, args.width, args.reps, recipe, args.threads),
                       backend=default_backend(args.device), timeout_s=600)

@@ -86,4 +86,8 @@ def test_fp8_under_nproc_prints_the_notice(capsys, monkeypatch):
         raise KeyboardInterrupt
     monkeypatch.setattr(mixprec.lab.compare.run, "train_on_ranks", interrupted)
     assert main(["compare", "--nproc", "2", "--recipes", "fp8", "--steps", "2", "--device", "cpu"]) == 130
-    assert "fp8 under --nproc 2 is untested" in capsys.readouterr().err
+    assert "fp8 under --nproc 2 (ddp) is untested" in capsys.readouterr().err
+    # Under FSDP2 the fp8 recipes are tested (tests/test_fp8_fsdp.py): no notice.
+    assert main(["compare", "--nproc", "2", "--parallel", "fsdp", "--recipes", "fp8", "--steps", "2",
+                 "--device", "cpu"]) == 130
+    assert "untested" not in capsys.readouterr().err

@@ -10,6 +10,7 @@ The lockstep itself (one all_reduce of the gradient norm, shared skips) is the e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -17,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..casting import keeps_fp32
+from ..fp8.fsdp_weight import Fp8GatherScales, prepare_fp8_gather
+from ..fp8.swap import resolve_backend, swap_to_fp8
 from ..grad_sync import _FSDP_RECIPE_ATTR, GradSync, SyncKind, _check_fsdp_recipe
 from ..recipe import Recipe, Rounding, get_recipe
 
@@ -46,7 +49,9 @@ def fsdp_policy(recipe: str | Recipe, *, comm_dtype: str | None = None, keep_fp3
 
 
 def shard_model(model: nn.Module, recipe: str | Recipe, *, mesh: Any = None,
-                comm_dtype: str | None = None, units: tuple[type[nn.Module], ...] | None = None) -> nn.Module:
+                comm_dtype: str | None = None, units: tuple[type[nn.Module], ...] | None = None,
+                fp8_all_gather: bool | None = None,
+                fp8_filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
     """Apply FSDP2's ``fully_shard`` to ``model`` with the recipe's policy; returns ``model``.
 
     Each module the recipe keeps fp32 (norms, for pure recipes) becomes its own FSDP unit with fp32
@@ -54,6 +59,15 @@ def shard_model(model: nn.Module, recipe: str | Recipe, *, mesh: Any = None,
     becomes a unit gathered in the param dtype; the root gathers whatever is left. Build the optimizer
     and ``MixedPrecision`` afterwards, from the sharded parameters. ``mesh`` defaults to a 1-D mesh
     over all ranks on the current device type.
+
+    fp8 recipes: the eligible linears become ``Fp8Linear`` here, before sharding (``fp8_filter`` as
+    ``MixedPrecision`` takes it; the engine then finds them swapped). Under per-tensor scaling
+    (current or delayed) each one's weight shard is cast to e4m3 before FSDP2's all-gather (1 byte
+    per parameter on the wire; ``mixprec.fp8.fsdp_weight``), with the whole weight's scale from one
+    all_reduce per step for all layers. ``fp8_all_gather``: None (default) does it wherever it can
+    and gathers the rest in the parameter dtype (the fp8 report names each layer's way and why); True
+    makes any layer that cannot (blocked scalings, HF Conv1D, uneven shards) a ValueError naming it;
+    False turns it off.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -67,6 +81,7 @@ def shard_model(model: nn.Module, recipe: str | Recipe, *, mesh: Any = None,
                              "dist.init_process_group(...) first (torchrun sets the environment)")
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    scales = _prepare_fp8(model, recipe, mesh, fp8_all_gather, fp8_filter)
     main = fsdp_policy(recipe, comm_dtype=comm_dtype)
     kept = fsdp_policy(recipe, comm_dtype=comm_dtype, keep_fp32=True)
     if recipe.param.is_low:
@@ -79,8 +94,32 @@ def shard_model(model: nn.Module, recipe: str | Recipe, *, mesh: Any = None,
             if not (recipe.param.is_low and keeps_fp32(module, recipe)) and _has_params(module):
                 fully_shard(module, mesh=mesh, mp_policy=main)
     fully_shard(model, mesh=mesh, mp_policy=main)
+    if scales is not None:
+        scales.attach(mesh.get_group())
     setattr(model, _FSDP_RECIPE_ATTR, str(recipe))
     return model
+
+
+def _prepare_fp8(model: nn.Module, recipe: Recipe, mesh: Any, want: bool | None,
+                 fp8_filter: Callable[[str, nn.Module], bool] | None) -> Fp8GatherScales | None:
+    """Swap the fp8 recipe's linears before sharding; wrap their weights for the e4m3 all-gather."""
+    if recipe.fp8 is None:
+        if want:
+            raise ValueError(f"fp8_all_gather=True needs an fp8 recipe; {recipe.label!r} has no fp8 layers")
+        if fp8_filter is not None:
+            raise ValueError(f"fp8_filter was given but recipe {recipe.label!r} has no fp8")
+        return None
+    already = [n for n, m in model.named_modules() if hasattr(m, "fp8_config")]
+    if already:
+        raise ValueError(f"the model already has fp8 layers ({', '.join(already[:3])}): was MixedPrecision "
+                         "built on it before shard_model? Under FSDP2 the order is shard_model(model, recipe) "
+                         "first, then the optimizer and MixedPrecision on the sharded parameters")
+    if mesh.ndim != 1:
+        raise ValueError("shard_model takes a 1-D mesh (FSDP2); HSDP (2-D meshes) is not supported yet")
+    backend, note = resolve_backend(recipe.fp8, next(model.parameters()).device)
+    keeps = (lambda m: keeps_fp32(m, recipe)) if recipe.param.is_low else None
+    swap_to_fp8(model, recipe.fp8, backend=backend, note=note, filter=fp8_filter, keeps_fp32=keeps)
+    return prepare_fp8_gather(model, mesh.size(), want)
 
 
 class _DdpEngine(Protocol):
@@ -107,6 +146,10 @@ def wrap_ddp(engine: _DdpEngine, *, comm_dtype: str | None = None, process_group
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if "fp8_all_gather" in ddp_kwargs:
+        raise ValueError("fp8_all_gather: DDP replicates the weights, so there is no all-gather to run in "
+                         "fp8 (each rank casts its own whole weight, as on one process). The e4m3 all-gather "
+                         "is FSDP2's: shard_model(model, recipe) before building MixedPrecision")
     if not dist.is_initialized():
         raise ValueError("wrap_ddp needs torch.distributed initialized: call dist.init_process_group(...) "
                          "first (torchrun sets the environment)")

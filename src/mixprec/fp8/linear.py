@@ -47,7 +47,14 @@ class _Fp8LinearFn(torch.autograd.Function):
         # x_t and w_t are what backward multiplies by, transposed: (K, M) and (K, N), row-major when
         # the fused cast wrote them (views of x_q and w_q otherwise; scaled_mm copies them then).
         x_q, x_t, s_x, a_x, c_x = layer._cast_pair("input", x2d, record, ctx.needs_input_grad[1])    # (M, K)
-        w_q, w_t, s_w, a_w, c_w = layer._cast_pair("weight", weight, record, ctx.needs_input_grad[0])  # (N, K)
+        if hasattr(weight, "fp8_weight"):
+            # FSDP2 all-gathered it in e4m3 (fp8/fsdp_weight.py): the cast ran on each shard, with
+            # the whole weight's scale, before the gather. Range counts are not taken for it.
+            w_q, s_w, a_w = weight.fp8_weight()
+            w_q, c_w = (w_q if layer.backend == "scaled_mm" else w_q.to(torch.float32)), None
+            w_t = w_q.t()
+        else:
+            w_q, w_t, s_w, a_w, c_w = layer._cast_pair("weight", weight, record, ctx.needs_input_grad[0])  # (N, K)
         # Reciprocals undo the scales after the matmul; exact when the scales are powers of two.
         inv_x, inv_w = s_x.reciprocal(), s_w.reciprocal()
         out = layer._mm(x_q, w_q.t(), inv_x, inv_w, out_dtype)     # (M, N)

@@ -39,6 +39,8 @@ from ..devices import probe_fp8_kernel, probe_fp8_speed
 from ..recipe.fp8 import Fp8Config
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .experts import expert_projections, experts_blocker, grouped_backend, is_hf_experts, to_fp8_experts
+from .layer_state import Fp8LayerState
+from .fsdp_weight import fp8_in_place, unsharded_class
 from .linear import Fp8Linear
 
 __all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8",
@@ -220,7 +222,7 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
     for i, (name, module) in enumerate(linears):
         out_f, in_f = _out_in(module)
         reason, detail = _decide(i, len(linears), name, module, config, filter, keeps_fp32)
-        if reason is Fp8Reason.FORCED and not _swappable(module):
+        if reason is Fp8Reason.FORCED and not _swappable(module) and not isinstance(module, Fp8LayerState):
             raise ValueError(f"fp8 forced on {name!r}, a {type(module).__name__}: only plain nn.Linear "
                              "layers and HF Conv1D can be swapped (a subclass's forward would be lost)")
         if reason is Fp8Reason.FORCED and (out_f % _ALIGN or in_f % _ALIGN):
@@ -228,7 +230,16 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
                 f"fp8 forced on {name!r}, an nn.Linear with weight shape ({out_f}, {in_f}) (out, in): fp8 "
                 f"matmuls need both dimensions to be multiples of {_ALIGN}; pad the layer (e.g. to "
                 f"({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})) or drop it from force=")
-        if reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
+        if isinstance(module, Fp8LayerState):
+            detail = getattr(module, "fp8_gather_note", "") or detail    # swapped by shard_model
+        elif reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED) and getattr(module, "_is_fsdp_managed_module", False):
+            # FSDP2 holds this very module (its hooks swap the gathered weight in): change its class
+            # in place instead of replacing it. Its weight is gathered in the recipe's dtype and cast
+            # here; shard_model(model, recipe) swaps before sharding and gathers in e4m3.
+            fp8_in_place(module, config, backend)
+            module.reseed(zlib.crc32(name.encode()))
+            detail = "weight all-gathered unscaled by your fully_shard, cast per step (shard_model gathers e4m3)"
+        elif reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
             layer = (Fp8Conv1D.from_conv1d(module, config, backend) if is_hf_conv1d(module)
                      else Fp8Linear.from_linear(module, config, backend))
             # nvfp4's noise and Hadamard signs differ layer to layer and stay the same run to run.
@@ -368,6 +379,11 @@ def _decide(i: int, n: int, name: str, module: nn.Module, config: Fp8Config,
     out_f, in_f = _out_in(module)
     if name == "":
         return Fp8Reason.ROOT, ""
+    if isinstance(module, Fp8LayerState):           # already fp8 (shard_model swapped it)
+        if module.fp8_config != config:
+            raise ValueError(f"{name!r} is already an fp8 layer with fp8={module.fp8_config}, but the recipe "
+                             f"says fp8={config}: shard the model with the recipe you train with")
+        return (Fp8Reason.FORCED if name in config.force else Fp8Reason.SWAPPED), ""
     if name in config.force:
         return Fp8Reason.FORCED, ""
     if not _swappable(module):
@@ -396,5 +412,10 @@ def _out_in(module: nn.Module) -> tuple[int, int]:
 
 def _swappable(module: nn.Module) -> bool:
     # Exactly nn.Linear (a subclass has a forward of its own), or HF's Conv1D (a linear with a
-    # transposed weight: fp8/conv1d.py).
-    return type(module) is nn.Linear or is_hf_conv1d(module)
+    # transposed weight: fp8/conv1d.py). FSDP2's fully_shard gives a module the class
+    # FSDP<cls>(FSDPModule, cls), which adds hooks and no forward: that is judged by cls.
+    cls = unsharded_class(module)
+    if getattr(module, "_is_fsdp_managed_module", False):
+        return cls is nn.Linear          # changed in place (fp8_in_place): Conv1D's layout is not handled there
+    return cls is nn.Linear or is_hf_conv1d(module)
+
