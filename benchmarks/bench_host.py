@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
-import pstats
 import statistics
 import sys
 import time
@@ -141,7 +139,8 @@ class CallCounter:
 
     def __exit__(self, *exc) -> None:
         sys.setprofile(None)
-        self.c -= 1     # the setprofile(None) call itself
+        self.python -= 1    # this __exit__
+        self.c -= 1         # and its setprofile(None) call
 
     @property
     def total(self) -> int:
@@ -157,23 +156,30 @@ def count_calls(step: Callable[[], None], warmup: int = 3) -> CallCounter:
     return counter
 
 
-def profile_calls(step: Callable[[], None], top: int = 12, warmup: int = 3) -> list[tuple[int, str]]:
-    """(calls, function) for the ``top`` functions one step calls most often (deterministic counts)."""
+def profile_calls(step: Callable[[], None], top: int = 14, warmup: int = 3) -> list[tuple[int, str]]:
+    """(calls, where) for one step: each call (Python or C) is charged to the innermost mixprec function
+    on the stack when it was made ("outside mixprec": the loop itself, torch's own code), so the table
+    says which of mixprec's functions makes the calls, itself or through what it calls. Deterministic."""
     for _ in range(warmup):
         step()
-    prof = cProfile.Profile()
-    prof.enable()
+    counts: collections.Counter[str] = collections.Counter()
+
+    def hook(frame, event, arg) -> None:
+        if event not in ("call", "c_call"):
+            return
+        f = frame if event == "c_call" else frame.f_back
+        while f is not None and "/mixprec/" not in f.f_code.co_filename:
+            f = f.f_back
+        if f is None:
+            counts["outside mixprec"] += 1
+        else:
+            file = f.f_code.co_filename.split("/mixprec/", 1)[1]
+            counts[f"{file}:{f.f_code.co_qualname}"] += 1
+    sys.setprofile(hook)
     step()
-    prof.disable()
-    stats = pstats.Stats(prof).stats     # {(file, line, name): (cc, nc, tt, ct, callers)}
-    rows = []
-    for (file, line, name), (_, ncalls, *_rest) in stats.items():
-        if "_lsprof" in name or name == "<method 'disable' of '_lsprof.Profiler' objects>":
-            continue
-        short = file.split("site-packages/")[-1].split("src/")[-1]
-        rows.append((ncalls, f"{short}:{line}({name})" if file != "~" else name))
-    rows.sort(key=lambda r: (-r[0], r[1]))
-    return rows[:top]
+    sys.setprofile(None)
+    counts["outside mixprec"] -= 1      # the setprofile(None) call
+    return [(n, where) for where, n in counts.most_common(top)]
 
 
 def interleaved_ratio(a: Callable[[], None], b: Callable[[], None], pairs: int, device,
@@ -261,7 +267,7 @@ def main() -> None:
             print(line, flush=True)
     if args.profile:
         for recipe in args.recipes.split(","):
-            print(f"\n{recipe}, no clip: the functions called most per step")
+            print(f"\n{recipe}, no clip: calls per step by the innermost mixprec function making them")
             for n, fn in profile_calls(mixprec_step(recipe, None, device)):
                 print(f"  {n:>4}  {fn}")
     if device.type == "cuda":

@@ -100,8 +100,9 @@ def fused_step_ok(engine: MixedPrecision) -> bool:
     opt = fused_kernel_optimizer(engine.optimizer)
     if opt is None:
         return False
-    if not all(g.get("fused") for g in opt.param_groups):
-        return False
+    for g in opt.param_groups:      # a loop, not all(genexpr): this runs at every step
+        if not g.get("fused"):
+            return False
     if isinstance(opt, torch.optim.SGD):
         # torch's fused SGD creates its momentum buffers with empty_like on the first step and
         # leaves them uninitialised if that step is skipped: take the generic path until they exist.
