@@ -183,8 +183,9 @@ def profile_calls(step: Callable[[], None], top: int = 14, warmup: int = 3) -> l
 
 
 def interleaved_ratio(a: Callable[[], None], b: Callable[[], None], pairs: int, device,
-                      warmup: int = 10) -> tuple[float, float, float]:
-    """(median ratio a/b over per-pair times, median a seconds, median b seconds); pairs alternate order."""
+                      warmup: int = 10) -> tuple[float, float, float, float]:
+    """(median ratio a/b over per-pair times, median a seconds, median b seconds, fastest a / fastest b);
+    pairs alternate order. On a loaded machine the fastest of each side is the least disturbed."""
     def timed(fn) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -202,7 +203,7 @@ def interleaved_ratio(a: Callable[[], None], b: Callable[[], None], pairs: int, 
         else:
             x, y = timed(a), timed(b)
         ta.append(x), tb.append(y), ratios.append(x / y)
-    return statistics.median(ratios), statistics.median(ta), statistics.median(tb)
+    return statistics.median(ratios), statistics.median(ta), statistics.median(tb), min(ta) / min(tb)
 
 
 def clip_word(clip: float | None) -> str:
@@ -225,7 +226,7 @@ def cuda_captured(args, device) -> None:
             base = variants["torch.amp eager"]
             for name, fn in variants.items():
                 try:
-                    r, t, _ = interleaved_ratio(fn, base, args.pairs, device)
+                    r, t, _, _ = interleaved_ratio(fn, base, args.pairs, device)
                 except Exception as e:      # a recipe that cannot capture says why, the rest goes on
                     print(f"{recipe:<10}{clip_word(clip):>6}{name:>34}  failed: {type(e).__name__}: {e}")
                     continue
@@ -250,9 +251,10 @@ def main() -> None:
              else f", {torch.get_num_threads()} thread(s)")
           + f"; MLP 3 linears {WIDTH} wide, batch {BATCH}, fused AdamW")
     print("calls = Python function calls + C calls per whole step (sys.setprofile); ratio = median of "
-          "interleaved per-pair times mixprec / torch.amp (< 1: mixprec faster)\n")
+          "interleaved per-pair times mixprec / torch.amp (< 1: mixprec faster); fastest = mixprec's "
+          "fastest step / torch.amp's; us = median microseconds per step\n")
     print(f"{'recipe':<11}{'clip':>5}{'baseline':>18}{'calls':>7}{'(py)':>6}{'amp calls':>10}{'(py)':>6}"
-          f"{'calls/amp':>10}{'ratio':>8}{'us mixprec':>12}{'us amp':>9}")
+          f"{'calls/amp':>10}{'ratio':>8}{'fastest':>9}{'us mixprec':>12}{'us amp':>9}")
     for recipe in args.recipes.split(","):
         dtype = baseline_dtype(recipe)
         for clip in args.clip_values:
@@ -262,8 +264,8 @@ def main() -> None:
             line = (f"{recipe:<11}{clip_word(clip):>5}{base:>18}{c_ours.total:>7}{c_ours.python:>6}"
                     f"{c_theirs.total:>10}{c_theirs.python:>6}{c_ours.total / c_theirs.total:>10.2f}")
             if not args.no_time:
-                r, ta, tb = interleaved_ratio(ours, theirs, args.pairs, device)
-                line += f"{r:>8.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
+                r, ta, tb, fastest = interleaved_ratio(ours, theirs, args.pairs, device)
+                line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
             print(line, flush=True)
     if args.profile:
         for recipe in args.recipes.split(","):

@@ -153,6 +153,7 @@ class MasterWeights:
             if p in optimizer.state:
                 optimizer.state[by_id[id(p)]] = optimizer.state.pop(p)
         self._numel = [p.numel() for p in self.model_params]
+        self._numel_total = sum(self._numel)
         # The positions in the optimizer's order, as a one-chunk step lays them out; and where each
         # copy starts in that layout (the rounding noise's positions, the same in every chunking).
         order = [self._index[id(t)] for g in optimizer.param_groups for t in g["params"]
@@ -354,9 +355,9 @@ class MasterWeights:
         """The optimizer's tensors cut into chunks of at most ``chunk_bytes`` of fp32 transients, each
         chunk one list per param group; None when one chunk holds them all."""
         per_element = 4 if self.keep else 8      # an fp32 gradient, plus an fp32 weight when transient
-        sizes = {id(m): per_element * n for m, n in zip(self.masters, self._numel)}
-        if sum(sizes.values()) <= self.chunk_bytes:
+        if per_element * self._numel_total <= self.chunk_bytes:     # the usual case: read no tensor
             return None
+        sizes = {id(m): per_element * n for m, n in zip(self.masters, self._numel)}
         chunks, size = [], 0
         current: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
         for gi, group in enumerate(optimizer.param_groups):
