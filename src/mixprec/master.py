@@ -246,7 +246,9 @@ class MasterWeights:
         else:
             workspace = self._workspace_for(which, chunked)
             if workspace is not None:
-                dests = _views(workspace[:sum([p.numel() for p in dense])], dense)
+                n = (sum([self._numel[i] for i in which]) if len(dense) == len(params)   # no tensor read
+                     else sum([p.numel() for p in dense]))
+                dests = _views(workspace[:n], dense)
             else:   # not the CPU: a gradient already there is refilled in place (its address stays)
                 by_param = {id(p): m for p, m in zip(params, masters)}
                 dests = [by_param[id(p)].grad for p in dense]
