@@ -36,7 +36,9 @@ MEASURED = {
     "fp16-pure": (3, -106),
     "bf16-sr": (181, 73),
     "bf16-kahan": (181, 73),
-    "fp8": (620, 512),
+    # fp8 per tensor, emulated: on a CPU "auto" picks its backend by a timed probe, which must not
+    # decide a count (torch._scaled_mm's path, where the probe picks it here: 14 calls more).
+    "fp8,fp8=current(backend=emulate)": (606, 498),
 }
 
 
