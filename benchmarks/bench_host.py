@@ -189,12 +189,10 @@ def interleaved_ratio(a: Callable[[], None], b: Callable[[], None], pairs: int, 
     """(median ratio a/b over per-pair times, median a seconds, median b seconds, fastest a / fastest b);
     pairs alternate order. On a loaded machine the fastest of each side is the least disturbed."""
     def timed(fn) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         return time.perf_counter() - t0
     for _ in range(warmup):
         a(), b()
@@ -208,13 +206,21 @@ def interleaved_ratio(a: Callable[[], None], b: Callable[[], None], pairs: int, 
     return statistics.median(ratios), statistics.median(ta), statistics.median(tb), min(ta) / min(tb)
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def clip_word(clip: float | None) -> str:
     return "none" if clip is None else f"{clip:g}"
 
 
 def cuda_captured(args, device) -> None:
-    """The tiny model on CUDA, eager and captured, mixprec against torch.amp (eager and compiled)."""
-    print(f"\n{'recipe':<10}{'clip':>6}{'variant':>34}{'us/step':>10}{'vs amp eager':>14}")
+    """The tiny model on CUDA, eager and captured, mixprec against torch.amp (eager and compiled).
+
+    The variants of a row run round-robin (one step each per round, synchronised around each), so a
+    drift in clocks or load hits all alike; the ratio is each variant's median over torch.amp eager's."""
+    print(f"\n{'recipe':<10}{'clip':>6}{'variant':>22}{'us/step':>10}{'/ amp eager':>13}")
     for recipe in args.recipes.split(","):
         dtype = baseline_dtype(recipe)
         for clip in args.clip_values:
@@ -224,16 +230,27 @@ def cuda_captured(args, device) -> None:
                         "mixprec eager": mixprec_step(recipe, clip, device)}
             try:
                 variants["mixprec captured"] = mixprec_step(recipe, clip, device, compiled=True)
-            except (ValueError, RuntimeError) as e:
+            except ValueError as e:       # a recipe that cannot capture its step says why
                 print(f"{recipe:<10}{clip_word(clip):>6}  mixprec captured: not run: {e}")
-            base = variants["torch.amp eager"]
-            for name, fn in variants.items():
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for name, fn in list(variants.items()):
                 try:
-                    r, t, _, _ = interleaved_ratio(fn, base, args.pairs, device)
-                except Exception as e:      # a recipe that cannot capture says why, the rest goes on
-                    print(f"{recipe:<10}{clip_word(clip):>6}{name:>34}  failed: {type(e).__name__}: {e}")
-                    continue
-                print(f"{recipe:<10}{clip_word(clip):>6}{name:>34}{t * 1e6:>10.1f}{r:>14.3f}")
+                    for _ in range(10):    # warm-up: compiling, CUDA-graph recording, optimizer state
+                        fn()
+                except Exception as e:     # report and go on with the other variants
+                    print(f"{recipe:<10}{clip_word(clip):>6}{name:>22}  failed: {type(e).__name__}: {e}")
+                    del variants[name], times[name]
+            for _ in range(args.pairs):
+                for name, fn in variants.items():
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(device)
+                    times[name].append(time.perf_counter() - t0)
+            base = statistics.median(times["torch.amp eager"])
+            for name, ts in times.items():
+                t = statistics.median(ts)
+                print(f"{recipe:<10}{clip_word(clip):>6}{name:>22}{t * 1e6:>10.1f}{t / base:>13.3f}")
 
 
 def main() -> None:
