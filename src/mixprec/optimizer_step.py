@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .grad_norm import global_norm_f32
-from .layer_scale import LayerLossScale
 from .loss_scale import NoLossScale
 
 if TYPE_CHECKING:
@@ -168,8 +167,7 @@ def optimizer_grads(engine: MixedPrecision) -> list[torch.Tensor]:
 def master_whole(engine: MixedPrecision) -> bool:
     """fp32 copies filled whole (observers read them; a compiled step steps them in one graph; per-layer
     factors are divided out of them in fp32, where 16-bit gradients would flush again)."""
-    return (bool(engine._step_observers) or engine._compiled_step is not None
-            or isinstance(engine.loss_scale, LayerLossScale))
+    return bool(engine._step_observers) or engine._compiled_step is not None or engine._layer_scale
 
 
 def update(engine: MixedPrecision, inv_divisor: torch.Tensor | None) -> None:
