@@ -97,6 +97,30 @@ def test_gradients_longer_than_a_block_are_summed_blockwise():
     assert norm.scratch_bytes == 16 * 4        # one block of fp32, freed at the end of the call
 
 
+def test_small_gradients_in_one_scratch_give_the_per_tensor_bits(one_thread):
+    # A small model's gradients are cast into one scratch together (each 64-byte aligned) and dotted
+    # there: the same sums, bit for bit, as reading them one by one, whatever their dtype, size (sizes
+    # not multiples of 16 shift every later start), address or layout (a transposed fp32 gradient).
+    g = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(5, 8, generator=g) * 1e-2).half(),
+             misaligned_copy((torch.randn(9, generator=g) * 1e3).bfloat16(), 3),
+             torch.randn(37, 3, generator=g).t(),
+             (torch.randn(300, generator=g) * 1e-4).bfloat16()]
+    norm = GradNorm()
+    one_by_one = [sq for t in grads for sq in norm._block_squares(t)]
+    together = norm._small_squares(grads)
+    assert together is not None and len(together) == len(one_by_one) == 4
+    assert all(torch.equal(x, y) for x, y in zip(together, one_by_one))
+    assert torch.equal(norm(grads), torch.stack(one_by_one).sum().sqrt())
+    # Other shapes are laid out again (not read through the last call's layout).
+    other = [torch.full((3, 3), 2.0, dtype=torch.float16), torch.tensor([6.0])]
+    assert norm(other).item() == torch.tensor(72.0).sqrt().item()     # sqrt(9 * 4 + 36), in fp32
+    # Too large for one block together, empty or sparse: block by block, as before.
+    assert GradNorm(block=16)._small_squares([torch.ones(10), torch.ones(10)]) is None
+    assert norm._small_squares([torch.ones(0)]) is None
+    assert norm._small_squares([torch.ones(2).to_sparse()]) is None
+
+
 def test_bad_block_size_names_the_fix():
     with pytest.raises(ValueError, match="multiple of 16"):
         GradNorm(block=100)

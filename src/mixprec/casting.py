@@ -279,7 +279,9 @@ def _install_edges(model: nn.Module, edges: _Edges) -> _RegionHandle:
 
 def _edges_forward(module: nn.Module, inner: Any, edges: _Edges, *args: Any, **kwargs: Any) -> Any:
     if edges.cast_in is not None:
-        args, kwargs = cast_floating(args, edges.cast_in), cast_floating(kwargs, edges.cast_in)
+        args = cast_floating(args, edges.cast_in)
+        if kwargs:     # most forwards take their inputs by position: no empty dict walked per step
+            kwargs = cast_floating(kwargs, edges.cast_in)
     out = inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
     return _cast_output(out, edges.cast_out, edges.cast_tensors) if edges.cast_out is not None else out
 

@@ -164,7 +164,11 @@ class MixedPrecision:
         # None with autocast's default lists: then no per-op Python work runs in the forward.
         self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
         self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
-        if isinstance(self.loss_scale, LayerLossScale):
+        # The loss scale's kind is fixed at construction (load_state_dict loads into it): step() reads
+        # these flags rather than asking isinstance at every step.
+        self._layer_scale = isinstance(self.loss_scale, LayerLossScale)
+        self._dynamic_scale = isinstance(self.loss_scale, DynamicLossScale)
+        if self._layer_scale:
             self.loss_scale.attach(self)     # scale=per-layer: hooks on each layer (layer_scale.py)
         self._grad_norm = GradNorm()     # the chunked pure step's norm: 16-bit gradients, no fp32 copies
         self._nonfinite = None
@@ -172,6 +176,12 @@ class MixedPrecision:
         self._overflow = None
         if trace_nonfinite:
             self._nonfinite = NonfiniteTracer(model)
+        # Decided here, not at every step: what autocast() and backward() enter beyond torch's own.
+        self._compute_dtype = self.recipe.compute.dtype
+        self._autocast_on = self.recipe.autocast
+        sets_tf32 = self.recipe.compute in (Precision.FP32, Precision.TF32)
+        self._backward_alone = self._nonfinite is None and not sets_tf32
+        self._autocast_alone = self._backward_alone and self._op_mode is None and not self._packs_saved
         # Misuse that would train on silently wrong (usage_checks): flags and counters, no host sync.
         self._checks = UsageChecks(self.recipe, not isinstance(self.loss_scale, NoLossScale), self.device)
         self._checks.traced = trace_nonfinite
@@ -193,22 +203,30 @@ class MixedPrecision:
         self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep
 
     # ------------------------------------------------------------------ forward
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager:
         """Run the forward pass in the recipe's compute precision.
 
         torch.autocast does the per-op casting for fp16/bf16 compute; a recipe's op-list edits that
         differ from autocast's lists are applied on top (``oplists.OpListMode``). The ``fp32`` and
         ``tf32`` recipes set torch's (global) TF32 switches for the forward and restore them on exit;
         the others leave them as the user set them, as torch.autocast does (``tf32.py``).
+
+        Where the engine adds nothing to torch.autocast (no op-list edits, TF32 switches, NaN tracing
+        or 16-bit saves: decided at construction), the context is torch.autocast itself, as in
+        torch.amp's loop; the usage checks run when it is made.
         """
         self._checks.check_dtype()      # model.half() after the engine: refused before the forward fails
         self._checks.entered_autocast = True
+        if self._autocast_alone:
+            return torch.autocast(self.device.type, dtype=self._compute_dtype, enabled=self._autocast_on)
+        return self._autocast_with_extras()
+
+    @contextlib.contextmanager
+    def _autocast_with_extras(self) -> Iterator[None]:
         # Inside a function torch.compile traces, the graph decides what it saves (saved16.py): the
         # saved_tensors_hooks would only break the graph.
         packs = self._packs_saved and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        with torch.autocast(self.device.type, dtype=self.recipe.compute.dtype,
-                            enabled=self.recipe.autocast), \
+        with torch.autocast(self.device.type, dtype=self._compute_dtype, enabled=self._autocast_on), \
                 self._fp32_precision(), \
                 self._op_mode or contextlib.nullcontext(), \
                 (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
@@ -231,6 +249,9 @@ class MixedPrecision:
         if self._saved_compile_check:
             self._saved_compile_check = False
             warn_if_compiled_saves(loss, self.recipe.saved)     # once: saved= stops at compiled regions
+        if self._backward_alone:     # no NaN tracing, no TF32 switches: nothing to enter
+            self.loss_scale.scale(loss).backward(**kwargs)
+            return
         with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext(), \
                 self._fp32_precision():
             self.loss_scale.scale(loss).backward(**kwargs)
@@ -266,25 +287,27 @@ class MixedPrecision:
         from ``mp.backward`` under a loss scale, or that a step already applied, are refused first
         (RuntimeError, nothing changed; ``usage_checks``).
         """
-        model_grads = self._model_grads()
+        model_grads = [p.grad for p in self._params if p.grad is not None]   # as _model_grads(), inline
         if not model_grads:
             raise RuntimeError(no_grads_message(self.model, self._checks))
         self._checks.check_before_step(model_grads)   # stale or unscaled gradients: refused here
         # fp32 copies whole when observers read them or the step is compiled; else chunk by chunk.
-        whole = master_whole(self)
-        if self.master is not None and whole:
+        whole = self.master is not None and master_whole(self)
+        if whole:
             self.master.pull_grads()
         elif self.master is not None:
             self.master.begin_step(self.optimizer)   # CPU: the first chunk's fp32 casts are made here
         # What backward made, in the optimizer's order: with fp32 copies stepped in chunks the 16-bit
         # gradients (cast to fp32 chunk by chunk inside the step; on CPU the first chunk's casts).
         grads = optimizer_grads(self)
-        if isinstance(self.loss_scale, LayerLossScale):
+        if self._layer_scale:
             self.loss_scale.unscale_layers()     # each layer's factor divided out: every gradient at S
         # The scale this step's gradients carry (a copy: the compiled step updates it in place).
         scale = self.loss_scale.value.detach().clone() if self._nonfinite is not None else None
-        for observer in self._step_observers.values():
-            observer.before_step(self)      # gradients as backward left them: still scaled by S
+        observers = self._step_observers
+        if observers:
+            for observer in observers.values():
+                observer.before_step(self)      # gradients as backward left them: still scaled by S
         fused = fused_step_ok(self)
         compiled = self._compiled_step is not None and fused
         if compiled:
@@ -300,8 +323,9 @@ class MixedPrecision:
         else:
             found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
             stepped = generic_optimizer_step(self, grads, divisor, found_inf)
-        for observer in self._step_observers.values():
-            observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
+        if observers:
+            for observer in observers.values():
+                observer.after_step(self, found_inf)   # before fp32 copies are rounded into the model
         if self.master is not None and whole and (stepped is not False or not self.master.keep):
             # Chunked steps rounded each chunk into the model already. found_inf: a skipped step does
             # not advance bf16-sr's rounding noise (a run that skipped equals one that never saw it).
@@ -312,12 +336,12 @@ class MixedPrecision:
             self._overflow = None
         if not compiled:     # the compiled step updates the scale inside its graph
             self.loss_scale.update(found_inf, None if stepped is None else not stepped)
-        if stepped is False and isinstance(self.loss_scale, DynamicLossScale):
+        if stepped is False and self._dynamic_scale:
             self.loss_scale.warn_if_at_floor()
         self._checks.after_step(model_grads, found_inf, stepped)   # warns after 10 skips in a row
         # Only a dynamic scale changes S in place afterwards: the others' S is this step's as it is.
         scale_after = self.loss_scale.value
-        if isinstance(self.loss_scale, DynamicLossScale):
+        if self._dynamic_scale:
             scale_after = scale_after.clone()
         return StepResult(found_inf, scale_after, grad_norm)
 

@@ -55,6 +55,7 @@ a compiled step) counts every call as a step taken unless it is handed ``found_i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,20 @@ def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors shaped like ``like``, laid end to end in 1-D ``flat`` (views of it). One C++ call,
     torch's own unflatten as DDP uses it, rather than a view per tensor made from Python."""
     return list(torch._utils._unflatten_dense_tensors(flat, like)) if like else []
+
+
+def _without_grad(fn: Callable) -> Callable:
+    """``fn`` with autograd off, as ``@torch.no_grad()`` does, in three C calls where the decorator
+    makes about ten Python ones at every call (it runs in every pure step, once or twice per chunk)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(prev)
+    return wrapper
 
 
 def _found_inf(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -124,6 +139,7 @@ class MasterWeights:
         self._workspace: torch.Tensor | None = None     # CPU only, see the module docstring
         self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
         self._planned = False                            # begin_step planned this step
+        self._grad_sources: tuple[list, list] | None = None   # grads(): (groups' key, tensors to read)
         # What pull_grads laid out for push_weights: (positions, flat fp32 weights), keep=False only.
         self._pulled: tuple[list[int], torch.Tensor] | None = None
         # Clone before the model is cast: the master starts as the exact fp32 initial weights.
@@ -137,6 +153,7 @@ class MasterWeights:
             if p in optimizer.state:
                 optimizer.state[by_id[id(p)]] = optimizer.state.pop(p)
         self._numel = [p.numel() for p in self.model_params]
+        self._numel_total = sum(self._numel)
         # The positions in the optimizer's order, as a one-chunk step lays them out; and where each
         # copy starts in that layout (the rounding noise's positions, the same in every chunking).
         order = [self._index[id(t)] for g in optimizer.param_groups for t in g["params"]
@@ -167,14 +184,17 @@ class MasterWeights:
         """The gradients for every tensor ``optimizer`` steps, in its order: the model's 16-bit gradient
         for an fp32 copy (whose own is cast chunk by chunk inside ``step``), the tensor's own gradient
         otherwise. No copy, no sync."""
-        out = []
-        for group in optimizer.param_groups:
-            for t in group["params"]:
-                i = self._index.get(id(t))
-                g = t.grad if i is None else self.model_params[i].grad
-                if g is not None:
-                    out.append(g)
-        return out
+        # Whose .grad to read, per tensor the optimizer steps: worked out again only when its groups'
+        # lists are other lists or other lengths (add_param_group, a chunked step's narrowing).
+        key = [(id(group["params"]), len(group["params"])) for group in optimizer.param_groups]
+        if self._grad_sources is None or self._grad_sources[0] != key:
+            sources = []
+            for group in optimizer.param_groups:
+                for t in group["params"]:
+                    i = self._index.get(id(t))
+                    sources.append(t if i is None else self.model_params[i])
+            self._grad_sources = (key, sources)
+        return [s.grad for s in self._grad_sources[1] if s.grad is not None]
 
     def skip_step(self) -> None:
         """A skipped step: drop the plan and any fp32 gradient; the weights stay as they are, and so
@@ -200,7 +220,7 @@ class MasterWeights:
         """
         self._pull(self._order if which is None else list(which), chunked, None)
 
-    @torch.no_grad()
+    @_without_grad
     def _pull(self, which: list[int], chunked: bool, buffer: torch.Tensor | None) -> None:
         """``pull_grads``; transient weights and gradients go into ``buffer`` (default: a fresh one)."""
         if not which:
@@ -211,7 +231,7 @@ class MasterWeights:
         if not self.keep:
             # [weights | gradients], each in the chunk's order. The gradient half has a slot for every
             # copy (a gradient-less one leaves its slot unused): it is the rounding's scratch later.
-            n = sum(self._numel[i] for i in which)
+            n = sum([self._numel[i] for i in which])
             flat = buffer[:2 * n] if buffer is not None else torch.empty(2 * n, dtype=torch.float32,
                                                                           device=self.device)
             weights = _views(flat[:n], params)
@@ -226,7 +246,9 @@ class MasterWeights:
         else:
             workspace = self._workspace_for(which, chunked)
             if workspace is not None:
-                dests = _views(workspace[:sum(p.numel() for p in dense)], dense)
+                n = (sum([self._numel[i] for i in which]) if len(dense) == len(params)   # no tensor read
+                     else sum([p.numel() for p in dense]))
+                dests = _views(workspace[:n], dense)
             else:   # not the CPU: a gradient already there is refilled in place (its address stays)
                 by_param = {id(p): m for p, m in zip(params, masters)}
                 dests = [by_param[id(p)].grad for p in dense]
@@ -240,6 +262,11 @@ class MasterWeights:
                          else torch.empty_like(p.grad, dtype=torch.float32) for p, d in zip(dense, dests)]
         if dense:
             torch._foreach_copy_(dests, [p.grad for p in dense])             # 16-bit -> fp32: exact
+        if len(dense) == len(params):    # every gradient dense (the usual case): dests align with masters
+            for m, d in zip(masters, dests):
+                if m.grad is not d:
+                    m.grad = d
+            return
         dest_of = dict(zip(map(id, dense), dests))
         for p, m in zip(params, masters):
             if p.grad is None:
@@ -258,8 +285,8 @@ class MasterWeights:
     def _workspace_for(self, which, chunked: bool) -> torch.Tensor | None:
         if not self.keep or not self.masters or self.device.type != "cpu":
             return None
-        need = sum(self._numel[i] for i in which if self.model_params[i].grad is not None
-                   and self.model_params[i].grad.layout == torch.strided)
+        need = sum([self._numel[i] for i in which if self.model_params[i].grad is not None
+                    and self.model_params[i].grad.layout == torch.strided])   # a list: no generator resumes
         if 4 * need < _WORKSPACE_MIN and not chunked:
             # Kept nothing between steps, but still one flat block for the chunk's casts: glibc reuses
             # one freed block, where many freed together were handed back to the kernel and faulted in
@@ -287,7 +314,7 @@ class MasterWeights:
         tables = self.generator.tables() if self.generator is not None else None
         buffer = None
         if not self.keep:   # one [weights | gradients] buffer for every chunk: the largest one's size
-            largest = max((sum(self._numel[i] for i in which) for which in chunks), default=0)
+            largest = max([sum([self._numel[i] for i in which]) for which in chunks], default=0)
             buffer = torch.empty(2 * largest, dtype=torch.float32, device=self.device)
         if plan is None:            # everything fits one chunk: the optimizer's groups stay as built
             self._step_chunk(optimizer, chunks[0], step_fn, inv_divisor, False, buffer, tables)
@@ -322,7 +349,7 @@ class MasterWeights:
             self.masters[i].grad = None
         scratch = None
         if buffer is not None:
-            n = sum(self._numel[i] for i in which)
+            n = sum([self._numel[i] for i in which])
             scratch = buffer[n:2 * n].view(torch.int32)
         self._round_into_model(which, tables, scratch)
 
@@ -330,9 +357,9 @@ class MasterWeights:
         """The optimizer's tensors cut into chunks of at most ``chunk_bytes`` of fp32 transients, each
         chunk one list per param group; None when one chunk holds them all."""
         per_element = 4 if self.keep else 8      # an fp32 gradient, plus an fp32 weight when transient
-        sizes = {id(m): per_element * n for m, n in zip(self.masters, self._numel)}
-        if sum(sizes.values()) <= self.chunk_bytes:
+        if per_element * self._numel_total <= self.chunk_bytes:     # the usual case: read no tensor
             return None
+        sizes = {id(m): per_element * n for m, n in zip(self.masters, self._numel)}
         chunks, size = [], 0
         current: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
         for gi, group in enumerate(optimizer.param_groups):
@@ -360,13 +387,13 @@ class MasterWeights:
         if which:
             tables = self.generator.tables() if self.generator is not None else None
             # Fresh scratch: the copies' gradients stay intact for whoever still holds them.
-            scratch = torch.empty(sum(self._numel[i] for i in which), dtype=torch.int32,
+            scratch = torch.empty(sum([self._numel[i] for i in which]), dtype=torch.int32,
                                   device=self.device) if self.generator is not None else None
             self._round_into_model(which, tables, scratch)
         if self.generator is not None:
             self.generator.advance(found_inf)
 
-    @torch.no_grad()
+    @_without_grad
     def _round_into_model(self, which: list[int], tables, scratch: torch.Tensor | None) -> None:
         """Round copies ``which`` into the model: one pass per chunk. Transient ones are released."""
         if not which:

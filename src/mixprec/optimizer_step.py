@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .grad_norm import global_norm_f32
-from .layer_scale import LayerLossScale
 from .loss_scale import NoLossScale
 
 if TYPE_CHECKING:
@@ -100,8 +99,9 @@ def fused_step_ok(engine: MixedPrecision) -> bool:
     opt = fused_kernel_optimizer(engine.optimizer)
     if opt is None:
         return False
-    if not all(g.get("fused") for g in opt.param_groups):
-        return False
+    for g in opt.param_groups:      # a loop, not all(genexpr): this runs at every step
+        if not g.get("fused"):
+            return False
     if isinstance(opt, torch.optim.SGD):
         # torch's fused SGD creates its momentum buffers with empty_like on the first step and
         # leaves them uninitialised if that step is skipped: take the generic path until they exist.
@@ -167,8 +167,7 @@ def optimizer_grads(engine: MixedPrecision) -> list[torch.Tensor]:
 def master_whole(engine: MixedPrecision) -> bool:
     """fp32 copies filled whole (observers read them; a compiled step steps them in one graph; per-layer
     factors are divided out of them in fp32, where 16-bit gradients would flush again)."""
-    return (bool(engine._step_observers) or engine._compiled_step is not None
-            or isinstance(engine.loss_scale, LayerLossScale))
+    return bool(engine._step_observers) or engine._compiled_step is not None or engine._layer_scale
 
 
 def update(engine: MixedPrecision, inv_divisor: torch.Tensor | None) -> None:

@@ -8,7 +8,19 @@ the eager fused path: the same norm, the same divisor ``S / clip``, the same ski
 
 Only the fused path compiles (torch's ``fused=True`` Adam, AdamW or SGD): it divides, clips and skips
 inside its own kernel, reading ``grad_scale`` and ``found_inf`` tensors. The generic path must ask the
-host whether to call ``optimizer.step()`` at all, which a graph cannot do without a sync.
+host whether to call ``optimizer.step()`` at all, which a graph cannot do without a sync: so any other
+optimizer, and the compact-moment recipes (``moments=bf16|bf16-sr|fp8``: the engine's own AdamW), are
+refused here with that reason.
+
+Which recipes: all the others (fp32, tf32, fp16, bf16, the pure, stochastic-rounding and Kahan recipes,
+fp8, per-layer scales), tested through compile on a CPU (``tests/test_compile.py``) and, with CUDA graphs,
+on a GPU (``tests/gpu/test_compile_cuda.py``). Recipes with fp32 copies fill them and round them back
+eagerly around the graph (one multi-tensor copy each way); ``bf16-sr`` and ``bf16-kahan`` build those
+copies afresh each step, so under CUDA graphs their addresses change from step to step, which a
+recorded graph cannot replay (expect it to be recorded again; not yet measured on a GPU): compile their
+step without ``mode="reduce-overhead"``. torch's ``optimizer.step()`` itself breaks the
+graph on each side (torch/optim/optimizer.py, so that AOTAutograd sees it as an inference graph): the
+step is three graphs, norm and divisor / the fused optimizer / the scale update, each one replay.
 
 Those two tensors are *static buffers* owned here, written inside the graph and handed to the
 optimizer for the call: CUDA graphs need inputs at fixed addresses, and torch.compile cannot trace
@@ -47,6 +59,12 @@ class CompiledStep:
                              f"inside its kernel without a host sync; {type(opt).__name__} is not one: "
                              "build it with fused=True, e.g. torch.optim.AdamW(params, lr=..., "
                              "fused=True) (Adam, AdamW and SGD have it)")
+        if engine.moments is not None:
+            raise ValueError(f"compile_step() cannot compile recipe {engine.recipe.label!r}: moments="
+                             f"{engine.recipe.moments.value} steps the engine's own AdamW (compact_adamw), "
+                             "which has no fused kernel to skip an inf/NaN step on the device, so each step "
+                             "asks the host whether to step. Use moments=fp32 with a fused optimizer to "
+                             "compile the step, or leave it eager")
         self.engine = engine
         device = engine.device
         # 1.0 and 0.0 until the first step writes them; fp32 as the fused kernels expect.

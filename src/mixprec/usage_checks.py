@@ -167,9 +167,11 @@ def _autocast_query_ok(device_type: str) -> bool:
         return False
 
 
+_is_compiling = getattr(torch.compiler, "is_compiling", None)   # torch >= 2.3
+
+
 def _compiling() -> bool:
-    is_compiling = getattr(torch.compiler, "is_compiling", None)   # torch >= 2.3
-    return bool(is_compiling and is_compiling())
+    return _is_compiling is not None and _is_compiling()
 
 
 class UsageChecks:

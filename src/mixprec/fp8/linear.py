@@ -27,6 +27,7 @@ stochastic-rounding seed and backward count and the random Hadamard signs.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -76,7 +77,11 @@ class _Fp8LinearFn(torch.autograd.Function):
             # once, and the recompute, seeing the history unchanged, casts exactly as the forward did.
             layer._record("input", s_x, a_x, c_x)
             layer._record("weight", s_w, a_w, c_w)
-        with torch.autocast(grad_out.device.type, enabled=False):
+        # The backward runs outside autocast unless the user's own is on here: only then turn it off
+        # (entering torch.autocast costs a dozen Python calls per layer, every step).
+        device_type = grad_out.device.type
+        with (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
+              else contextlib.nullcontext()):
             g_q, g_t, s_g, a_g, c_g = layer._cast_pair("grad_output", grad_out, True, ctx.needs_input_grad[1])
             layer._record("grad_output", s_g, a_g, c_g)
             inv_g = s_g.reciprocal()                                  # g_q (M, N) e5m2, g_t (N, M)

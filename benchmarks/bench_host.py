@@ -1,0 +1,300 @@
+"""Host overhead per training step: every recipe against the torch.amp loop doing the same thing.
+
+On a GPU a small model is host-bound: a step takes as long as Python takes to launch it. This script
+measures that host work on a model whose compute is negligible (3 linears 64 wide, batch 8, fused AdamW)
+in two ways:
+
+- **calls per step**, deterministic: the Python function calls and the C calls (builtins, torch ops
+  called from Python) that one whole step (forward, backward, step, zero_grad) makes, counted with
+  ``sys.setprofile``. They do not depend on the machine's load, so a test can pin them
+  (tests/test_host_calls.py);
+- **time ratios**, interleaved pairs (A, B, then B, A, ...), median of the per-pair ratios mixprec /
+  torch.amp: below 1 means mixprec is faster.
+
+Each recipe's baseline is the torch.amp loop that does the same thing: ``bf16`` against autocast bf16 +
+fused AdamW; ``fp16`` against autocast fp16 + GradScaler (``unscale_`` before a clip); the pure,
+rounding and fp8 recipes against torch.amp bf16 (fp16-pure against fp16 + GradScaler). With a clip,
+the torch.amp loop calls ``clip_grad_norm_(foreach=True)``. ``--profile`` prints where each recipe's
+calls go (calls per step by function), the table RESULTS.md keeps.
+
+On CUDA (``--device cuda``) the same tiny model is also timed captured: mixprec with a compiled model
+and ``mp.compile_step(mode="reduce-overhead")`` (one CUDA-graph replay for the step) against torch.amp's
+loop with ``torch.compile(model, mode="reduce-overhead")`` and a compiled fused AdamW step.
+
+Usage: python benchmarks/bench_host.py [--recipes bf16,fp16,...] [--clips none,1.0] [--pairs 200]
+       [--no-time] [--profile] [--device cpu|cuda] [--threads 1]
+On a GPU (a few minutes, mostly compiling):
+       python benchmarks/bench_host.py --device cuda --recipes bf16,fp16,bf16-pure --clips none --pairs 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+WIDTH, BATCH, CLASSES = 64, 8, 16
+RECIPES = ["bf16", "fp16", "bf16-pure", "fp16-pure", "bf16-sr", "bf16-kahan", "fp8"]
+
+
+def tiny_model(device) -> nn.Module:
+    """3 linears 64 wide (the last to 16 classes: every one fp8-eligible), the same weights each call."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(),
+                         nn.Linear(WIDTH, CLASSES)).to(device)
+
+
+def batch(device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(BATCH, WIDTH, generator=g).to(device),
+            torch.randint(0, CLASSES, (BATCH,), generator=g).to(device))
+
+
+def baseline_dtype(recipe: str) -> torch.dtype:
+    """The torch.amp loop a recipe is measured against: fp16 compute (with a GradScaler) or bf16."""
+    return torch.float16 if mixprec.get_recipe(recipe).compute is mixprec.Precision.FP16 else torch.bfloat16
+
+
+def mixprec_step(recipe: str, clip: float | None, device, compiled: bool = False) -> Callable[[], None]:
+    """One whole mixprec step on the tiny model; ``compiled``: compiled model + captured step."""
+    model = tiny_model(device)
+    x, y = batch(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # fp8 emulated on a CPU says so once; not what is measured
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                                    recipe, clip_grad_norm=clip)
+    forward = model
+    if compiled:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        mp.compile_step(mode=mode)
+        forward = torch.compile(model, mode=mode)
+
+    def step() -> None:
+        with mp.autocast():
+            loss = F.cross_entropy(forward(x), y)
+        mp.backward(loss)
+        mp.step()
+        mp.zero_grad(set_to_none=not compiled)
+    return step
+
+
+def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = False) -> Callable[[], None]:
+    """The hand-written torch.amp loop: autocast, (GradScaler for fp16), clip_grad_norm_, fused AdamW."""
+    model = tiny_model(device)
+    x, y = batch(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    params = list(model.parameters())
+    forward = model
+    opt_step = opt.step
+    if compiled:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        forward = torch.compile(model, mode=mode)
+        if scaler is None:
+            opt_step = torch.compile(opt.step, mode=mode)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=dtype):
+            loss = F.cross_entropy(forward(x), y)
+        if scaler is None:
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            opt_step()
+        else:
+            scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=not compiled)
+    return step
+
+
+class CallCounter:
+    """Counts ``sys.setprofile`` events while active: Python function calls and C calls."""
+
+    def __init__(self) -> None:
+        self.python = 0
+        self.c = 0
+
+    def _hook(self, frame, event, arg) -> None:
+        if event == "call":
+            self.python += 1
+        elif event == "c_call":
+            self.c += 1
+
+    def __enter__(self) -> CallCounter:
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+        self.python -= 1    # this __exit__
+        self.c -= 1         # and its setprofile(None) call
+
+    @property
+    def total(self) -> int:
+        return self.python + self.c
+
+
+def count_calls(step: Callable[[], None], warmup: int = 3) -> CallCounter:
+    """The calls one step makes after ``warmup`` steps (optimizer state, lazy first-step work)."""
+    for _ in range(warmup):
+        step()
+    with CallCounter() as counter:
+        step()
+    return counter
+
+
+def profile_calls(step: Callable[[], None], top: int = 14, warmup: int = 3) -> list[tuple[int, str]]:
+    """(calls, where) for one step: each call (Python or C) is charged to the innermost mixprec function
+    on the stack when it was made ("outside mixprec": the loop itself, torch's own code), so the table
+    says which of mixprec's functions makes the calls, itself or through what it calls. Deterministic."""
+    for _ in range(warmup):
+        step()
+    counts: collections.Counter[str] = collections.Counter()
+
+    def hook(frame, event, arg) -> None:
+        if event not in ("call", "c_call"):
+            return
+        f = frame if event == "c_call" else frame.f_back
+        while f is not None and "/mixprec/" not in f.f_code.co_filename:
+            f = f.f_back
+        if f is None:
+            counts["outside mixprec"] += 1
+        else:
+            file = f.f_code.co_filename.split("/mixprec/", 1)[1]
+            counts[f"{file}:{f.f_code.co_qualname}"] += 1
+    sys.setprofile(hook)
+    step()
+    sys.setprofile(None)
+    counts["outside mixprec"] -= 1      # the setprofile(None) call
+    return [(n, where) for where, n in counts.most_common(top)]
+
+
+def interleaved_ratio(a: Callable[[], None], b: Callable[[], None], pairs: int, device,
+                      warmup: int = 10) -> tuple[float, float, float, float]:
+    """(median ratio a/b over per-pair times, median a seconds, median b seconds, fastest a / fastest b);
+    pairs alternate order. On a loaded machine the fastest of each side is the least disturbed."""
+    def timed(fn) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+    for _ in range(warmup):
+        a(), b()
+    ta, tb, ratios = [], [], []
+    for i in range(pairs):
+        if i % 2:
+            y, x = timed(b), timed(a)
+        else:
+            x, y = timed(a), timed(b)
+        ta.append(x), tb.append(y), ratios.append(x / y)
+    return statistics.median(ratios), statistics.median(ta), statistics.median(tb), min(ta) / min(tb)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clip_word(clip: float | None) -> str:
+    return "none" if clip is None else f"{clip:g}"
+
+
+def cuda_captured(args, device) -> None:
+    """The tiny model on CUDA, eager and captured, mixprec against torch.amp (eager and compiled).
+
+    The variants of a row run round-robin (one step each per round, synchronised around each), so a
+    drift in clocks or load hits all alike; the ratio is each variant's median over torch.amp eager's."""
+    print(f"\n{'recipe':<10}{'clip':>6}{'variant':>22}{'us/step':>10}{'/ amp eager':>13}")
+    for recipe in args.recipes.split(","):
+        dtype = baseline_dtype(recipe)
+        for clip in args.clip_values:
+            torch._dynamo.reset()     # each row compiles afresh (Dynamo's recompile limit is per function)
+            variants = {"torch.amp eager": amp_step(dtype, clip, device),
+                        "torch.amp compiled": amp_step(dtype, clip, device, compiled=True),
+                        "mixprec eager": mixprec_step(recipe, clip, device)}
+            try:
+                variants["mixprec captured"] = mixprec_step(recipe, clip, device, compiled=True)
+            except ValueError as e:       # a recipe that cannot capture its step says why
+                print(f"{recipe:<10}{clip_word(clip):>6}  mixprec captured: not run: {e}")
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for name, fn in list(variants.items()):
+                try:
+                    for _ in range(10):    # warm-up: compiling, CUDA-graph recording, optimizer state
+                        fn()
+                except Exception as e:     # report and go on with the other variants
+                    print(f"{recipe:<10}{clip_word(clip):>6}{name:>22}  failed: {type(e).__name__}: {e}")
+                    del variants[name], times[name]
+            for _ in range(args.pairs):
+                for name, fn in variants.items():
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(device)
+                    times[name].append(time.perf_counter() - t0)
+            base = statistics.median(times["torch.amp eager"])
+            for name, ts in times.items():
+                t = statistics.median(ts)
+                print(f"{recipe:<10}{clip_word(clip):>6}{name:>22}{t * 1e6:>10.1f}{t / base:>13.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--clips", default="none,1.0", help="comma-separated: none or a max norm")
+    ap.add_argument("--pairs", type=int, default=200)
+    ap.add_argument("--no-time", action="store_true", help="counts only (deterministic)")
+    ap.add_argument("--profile", action="store_true", help="also the top functions by calls per recipe")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    args.clip_values = [None if c == "none" else float(c) for c in args.clips.split(",")]
+    print(f"torch {torch.__version__}, {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
+             else f", {torch.get_num_threads()} thread(s)")
+          + f"; MLP 3 linears {WIDTH} wide, batch {BATCH}, fused AdamW")
+    print("calls = Python function calls + C calls per whole step (sys.setprofile); ratio = median of "
+          "interleaved per-pair times mixprec / torch.amp (< 1: mixprec faster); fastest = mixprec's "
+          "fastest step / torch.amp's; us = median microseconds per step\n")
+    print(f"{'recipe':<11}{'clip':>5}{'baseline':>18}{'calls':>7}{'(py)':>6}{'amp calls':>10}{'(py)':>6}"
+          f"{'calls/amp':>10}{'ratio':>8}{'fastest':>9}{'us mixprec':>12}{'us amp':>9}")
+    for recipe in args.recipes.split(","):
+        dtype = baseline_dtype(recipe)
+        for clip in args.clip_values:
+            ours, theirs = mixprec_step(recipe, clip, device), amp_step(dtype, clip, device)
+            c_ours, c_theirs = count_calls(ours), count_calls(theirs)
+            base = "amp fp16+scaler" if dtype == torch.float16 else "amp bf16"
+            line = (f"{recipe:<11}{clip_word(clip):>5}{base:>18}{c_ours.total:>7}{c_ours.python:>6}"
+                    f"{c_theirs.total:>10}{c_theirs.python:>6}{c_ours.total / c_theirs.total:>10.2f}")
+            if not args.no_time:
+                r, ta, tb, fastest = interleaved_ratio(ours, theirs, args.pairs, device)
+                line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
+            print(line, flush=True)
+    if args.profile:
+        for recipe in args.recipes.split(","):
+            print(f"\n{recipe}, no clip: calls per step by the innermost mixprec function making them")
+            for n, fn in profile_calls(mixprec_step(recipe, None, device)):
+                print(f"  {n:>4}  {fn}")
+    if device.type == "cuda":
+        cuda_captured(args, device)
+
+
+if __name__ == "__main__":
+    main()
