@@ -70,6 +70,12 @@ class CompiledStep:
         # 1.0 and 0.0 until the first step writes them; fp32 as the fused kernels expect.
         self.grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        # The graph writes these and the loss scale's state in place. To Inductor they are graph inputs,
+        # and CUDA graphs refuse a graph that mutates an input not marked static ("skipping cudagraphs
+        # due to mutated inputs": the H100 run of 2026-11-27 fell back to eager that way). They live as
+        # long as the engine, at fixed addresses, so static is true of them.
+        for t in (self.grad_scale, self.found_inf, *_state_tensors(engine.loss_scale)):
+            torch._dynamo.mark_static_address(t)
         self.compiled = torch.compile(self._body, **options)
 
     def _body(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,3 +100,8 @@ class CompiledStep:
         finally:
             checks.in_engine_step = False
             del opt.grad_scale, opt.found_inf                     # type: ignore[attr-defined]
+
+
+def _state_tensors(obj: object) -> list[torch.Tensor]:
+    """The tensors ``obj`` holds as attributes (a loss scale's value, counters and hysteresis)."""
+    return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
