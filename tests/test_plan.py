@@ -170,3 +170,16 @@ def test_cli_plan_writes_its_report_page_and_recipe(workload, capsys, tmp_path):
     assert out.strip().splitlines()[-1] == report.recipe and "predicted on b200" in out
     assert "<img" in (tmp_path / "plan.html").read_text()
     assert math.isfinite(report.step_ratio)
+
+
+def test_gradient_snr_separates_fp4_from_fp8_end_to_end(workload):
+    from mixprec.lab.plan.evidence import GRAD_SNR_THRESHOLD, gradient_snr
+    w = workload("tiny")
+    torch.manual_seed(0)
+    weights = w.build_model().state_dict()
+    names = ["0", "2", "4"]
+    fp8 = gradient_snr(w, weights, "rowwise", step=0, seed=0, steps=8, device=torch.device("cpu"), layers=names)
+    fp4 = gradient_snr(w, weights, "nvfp4", step=0, seed=0, steps=8, device=torch.device("cpu"), layers=names)
+    assert set(fp8) == set(fp4) == set(names)
+    # e4m3 keeps ~3.5 significant bits more than e2m1: the fp8 gradient is many times closer to fp32's.
+    assert all(fp8[n] > 4 * fp4[n] for n in names) and min(fp8.values()) > 10 * GRAD_SNR_THRESHOLD

@@ -49,7 +49,8 @@ class LayerEvidence:
         if self.saturated:
             why.append(f"{self.saturated:.2%} of an operand saturates")
         if not self.extra_ok:
-            why.append("fails " + ", ".join(f"{k} = {v:.3g}" for k, v in self.extra.items()))
+            why.append("fails " + ", ".join(f"{k} = {v:.3g}" for k, v in self.extra.items())
+                       + (" (gradient SNR floor sqrt(3))" if "grad_snr" in self.extra else ""))
         return "; ".join(why)
 
 

@@ -14,10 +14,12 @@ plan is accepted when its tail is within ``budget x band`` of bf16's (lockstep, 
 **One-step evidence.** On bf16's last lockstep step the doctor's what-if (``doctor/what_if.py``) measures
 each linear's output and weight-gradient SQNR under every format on that step's own operands.
 
-**Long-horizon evidence.** One-step SQNR misses harm that accumulates (MXFP8 trains worse than fp8
-rowwise on nanoGPT at the same one-step SQNR: the MXFP8 issue), so nothing is accepted without a
-lockstep verification; ``LayerMeasure`` functions (``extra_measures``) add per-layer evidence a
-format must pass before it is proposed.
+**Long-horizon evidence.** One-step local SQNR misses harm that accumulates, so nothing is accepted
+without a lockstep verification. Before it, ``gradient_snr`` measures per layer the end-to-end
+weight-gradient SNR of each format against fp32 (the whole model run in the format, same weights and
+batch): the MXFP8 issue found it separates the recipe that leaves fp32's band (nvfp4: it falls through
+sqrt(3) as the run leaves the band) from those that stay (fp8 per-tensor, rowwise, mxfp8: equal to
+0.1), where every local SQNR read 20+ dB. ``LayerMeasure`` functions add further per-layer evidence.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -39,7 +41,8 @@ from ..doctor.what_if import LayerWhatIf, WhatIfCapture
 from ..trainer import batch_order
 from ..workloads import Workload
 
-__all__ = ["Lockstep", "lockstep", "tail", "Band", "fp32_band", "WorkloadDiverges", "LayerMeasure"]
+__all__ = ["Lockstep", "lockstep", "tail", "Band", "fp32_band", "WorkloadDiverges", "LayerMeasure", "gradient_snr",
+           "GRAD_SNR_THRESHOLD", "capture_what_if"]
 
 _TAIL = 0.25            # the tail is the mean loss over the last quarter of the steps
 # A plan trains at most this many times bf16's loss drop worse than the band allows: the band has a
@@ -139,10 +142,54 @@ def fp32_band(workload: Workload, *, steps: int, seed: int, device: torch.device
 
 
 @contextlib.contextmanager
-def capture_what_if(model: nn.Module, into: dict) -> Iterator[None]:
+def capture_what_if(model: nn.Module, into: dict, weights: dict | None = None) -> Iterator[None]:
     """The doctor's what-if for every linear of ``model`` over one forward and backward, stored in
-    ``into`` by layer name."""
+    ``into`` by layer name; ``weights`` (if given) gets a copy of the model's state as the step began."""
+    if weights is not None:
+        weights.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     capture = WhatIfCapture(model)
     with capture.capturing():
         yield
     into.update({layer.name: layer for layer in capture.layers()})
+
+
+# The gradient signal-to-noise ratio below which a format's weight gradients stop pointing the way
+# fp32's do ("FP4 All the Way": sqrt(3)); the MXFP8 issue's finding: nvfp4 crossed it as it left
+# fp32's band, the fp8 formats stayed above it.
+GRAD_SNR_THRESHOLD = math.sqrt(3)
+
+
+def gradient_snr(workload: Workload, weights: dict, fmt: str, *, step: int, seed: int, steps: int,
+                 device: torch.device, layers: Iterable[str]) -> dict[str, float]:
+    """End-to-end weight-gradient SNR of ``fmt`` per layer: ``|g| / |g_fmt - g|`` where ``g`` is fp32's
+    gradient and ``g_fmt`` the gradient with every planned layer in ``fmt`` (the whole model run under
+    it, so errors that propagate through the backward count), at the same ``weights`` and batch
+    (``step`` of the lockstep order). One forward and backward per recipe; nothing is trained."""
+    data = workload.load_data().to(device)
+    idx = batch_order(len(data.y_train), workload.batch_size, steps, seed)[step].to(device)
+    x, y = data.x_train[idx], data.y_train[idx]
+    names = list(layers)
+    grads = {}
+    for recipe in ("fp32", f"bf16,fp8={fmt}"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = workload.build_model()
+        model.load_state_dict(weights)
+        model.to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mp = MixedPrecision(model, opt, recipe, seed=seed,
+                                fp8_filter=(lambda n, _m: n in names) if recipe != "fp32" else None)
+        with mp.autocast():
+            loss = workload.loss_fn(predictions(model(x)), y)
+        mp.backward(loss)
+        modules = dict(model.named_modules())
+        grads[recipe] = {n: modules[n].weight.grad.detach().float().clone() for n in names}
+    ref, test = grads["fp32"], grads[f"bf16,fp8={fmt}"]
+    out = {}
+    for n in names:
+        noise = torch.linalg.vector_norm(test[n] - ref[n])
+        signal = torch.linalg.vector_norm(ref[n])
+        out[n] = float(signal / noise) if float(noise) > 0 else math.inf
+    return out

@@ -18,10 +18,11 @@ __all__ = ["render_plan_html"]
 
 def render_plan_html(report: PlanReport) -> str:
     """The page: title, prediction and verification lines, the per-layer table, the curves (inline PNG)."""
-    head = ("layer", "weight (out, in)", "rows", "FLOPs", "format", "SQNR dB by format", "time vs bf16", "why")
+    head = ("layer", "weight (out, in)", "rows", "FLOPs", "format", "SQNR dB / grad SNR", "time vs bf16", "why")
     rows = []
     for lay in report.layers:
-        evidence = ", ".join(f"{f} {e.sqnr_db:.1f}{'' if e.passes else ' (fails)'}" for f, e in lay.evidence.items())
+        evidence = ", ".join(f"{f} {e.sqnr_db:.1f} dB / {e.grad_snr:.1f}{'' if e.passes else ' (fails)'}"
+                             for f, e in lay.evidence.items())
         cells = (lay.name, f"({lay.out_features}, {lay.in_features})", lay.rows, f"{lay.flops_share:.0%}",
                  lay.format, evidence or "-", f"{lay.plan_s / lay.bf16_s:.2f}x" if lay.bf16_s else "-", lay.why)
         rows.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")

@@ -21,11 +21,12 @@ def render_plan(report: PlanReport) -> Table:
     table = Table(title=f"mixprec plan: {report.workload} for {report.target_label} (SQNR floor "
                         f"{report.floor_db:g} dB)", caption="\n".join(plan_lines(report)), caption_justify="left")
     for column, justify in (("layer", "left"), ("weight (out, in)", "right"), ("rows", "right"),
-                            ("FLOPs", "right"), ("format", "left"), ("SQNR dB by format", "left"),
+                            ("FLOPs", "right"), ("format", "left"), ("SQNR dB / grad SNR", "left"),
                             ("time vs bf16", "right"), ("why", "left")):
-        table.add_column(column, justify=justify, no_wrap=column not in ("why", "SQNR dB by format"))
+        table.add_column(column, justify=justify, no_wrap=column not in ("why", "SQNR dB / grad SNR"))
     for lay in report.layers:
-        evidence = " ".join(f"{f}:{_db(e.sqnr_db)}{'' if e.passes else '✗'}" for f, e in lay.evidence.items())
+        evidence = " ".join(f"{f}:{_db(e.sqnr_db)}/{_db(e.grad_snr)}{'' if e.passes else '✗'}"
+                            for f, e in lay.evidence.items())
         table.add_row(lay.name, f"({lay.out_features}, {lay.in_features})", str(lay.rows),
                       f"{lay.flops_share:.0%}", lay.format, evidence or "-",
                       f"{lay.plan_s / lay.bf16_s:.2f}x" if lay.bf16_s else "-", lay.why)
@@ -36,6 +37,8 @@ def plan_lines(report: PlanReport) -> list[str]:
     """The lines under the table: prediction (for the target, not measured here), band, verification."""
     band = report.band
     lines = [
+        "evidence per format: the what-if's one-step SQNR (dB, floor "
+        f"{report.floor_db:g}) / the end-to-end weight-gradient SNR against fp32 (floor sqrt(3)); ✗: fails",
         f"predicted on {report.target} (spec-sheet roofline, not measured on this {report.device}): step time "
         f"{report.step_ratio:.3f}x bf16's (the planned linears {report.linear_ratio:.3f}x; bf16 step "
         f"{report.bf16_step_s * 1e3:.3f} ms there)",

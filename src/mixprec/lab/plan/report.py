@@ -9,7 +9,7 @@ JSON schema, version 1 (strict JSON, through ``lab/codec.py``)::
     band                   {losses_a, losses_b, spread, floor, band}: fp32 from two seeds
     layers                 per planned linear, model order: name, out_features, in_features, rows,
                            format, why, flops_share, bf16_s, plan_s (predicted), candidates,
-                           excluded {format: why}, evidence {format: {sqnr_db, saturated, passes}}
+                           excluded {format: why}, evidence {format: {sqnr_db, saturated, passes, grad_snr}}
     recipe                 str       the accepted recipe ("" when none was accepted)
     step_ratio             float     predicted step time of the recipe / bf16's, on the target
     linear_ratio           float     the same over the planned linears only
@@ -33,9 +33,10 @@ __all__ = ["PlanReport", "PlanLayerReport", "FormatEvidence", "Attempt", "BandRe
 
 @dataclasses.dataclass(frozen=True)
 class FormatEvidence:
-    sqnr_db: float
+    sqnr_db: float          # the lower of output and weight-gradient SQNR, one step, local (the what-if)
     saturated: float
     passes: bool
+    grad_snr: float         # end-to-end weight-gradient SNR against fp32 (evidence.gradient_snr)
 
 
 @dataclasses.dataclass(frozen=True)

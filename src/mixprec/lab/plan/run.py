@@ -6,6 +6,8 @@ training; ``run_plan`` then:
 1. trains fp32 from two seeds: the band (``evidence.fp32_band``; a workload that diverges is an error);
 2. trains bf16 lockstep from the plan's seed: the reference curve, with the doctor's what-if measured on
    its last step (per layer and format: SQNRs, saturation) and one step costed on the target's roofline;
+   then, per format, the end-to-end weight-gradient SNR against fp32 at bf16's last weights and batch
+   (``evidence.gradient_snr``: below sqrt(3) a format fails the layer);
 3. chooses per layer the fastest candidate whose evidence passes (``choose.py``), spells it as a recipe;
 4. verifies: trains the recipe lockstep with bf16 and accepts it when its tail loss is within the band
    of bf16's; otherwise raises the most sensitive layers one step and tries again (``retries`` times).
@@ -38,7 +40,7 @@ from ..workload import Split, Workload
 from ..workloads import get_workload
 from .candidates import PlanLayer, count_rows, plan_layers
 from .choose import BF16_EVIDENCE, LayerEvidence, choose, raise_most_sensitive, recipe_for, what_if_evidence
-from .evidence import LayerMeasure, capture_what_if, fp32_band, lockstep
+from .evidence import GRAD_SNR_THRESHOLD, LayerMeasure, capture_what_if, fp32_band, gradient_snr, lockstep
 from .report import Attempt, BandReport, FormatEvidence, PlanLayerReport, PlanReport
 
 __all__ = ["PlanSetup", "plan_setup", "run_plan", "plan_model", "DEFAULT_STEPS", "DEFAULT_FLOOR_DB"]
@@ -105,12 +107,17 @@ def run_plan(setup: PlanSetup, on_progress: Callable[[str], None] | None = None)
     say(f"fp32 from seeds {s.seed} and {s.seed + 1}: the band")
     band = fp32_band(w, steps=s.steps, seed=s.seed, device=s.device, budget=s.budget)
     say("bf16 lockstep: the reference, the what-if on its last step, one step costed on the target")
-    what_if: dict = {}
+    what_if, weights = {}, {}
     profile: list = []
     bf16 = lockstep(w, "bf16", steps=s.steps, seed=s.seed, device=s.device,
-                    last_step=lambda model: capture_what_if(model, what_if),
+                    last_step=lambda model: capture_what_if(model, what_if, weights),
                     first_step=lambda mp: profile.append(_profile(w, mp, s)))
-    evidence = {lay.name: _layer_evidence(lay, what_if.get(lay.name), s) for lay in s.layers}
+    snr: dict[str, dict[str, float]] = {}
+    for fmt in dict.fromkeys(f for lay in s.layers for f in lay.candidates if f != "bf16"):
+        say(f"{fmt}: end-to-end weight-gradient SNR against fp32, per layer")
+        snr[fmt] = gradient_snr(w, weights, fmt, step=s.steps - 1, seed=s.seed, steps=s.steps, device=s.device,
+                                layers=[lay.name for lay in s.layers if fmt in lay.candidates])
+    evidence = {lay.name: _layer_evidence(lay, what_if.get(lay.name), s, snr) for lay in s.layers}
     picks = choose(s.layers, evidence, s.floor_db)
     banned: frozenset = frozenset()
     attempts: list[Attempt] = []
@@ -177,7 +184,7 @@ def _adam_seconds(model: nn.Module, target: Target) -> float:
     return 4 * 4 * n / (target.hbm_tb_s * 1e12)
 
 
-def _layer_evidence(layer: PlanLayer, what_if, s: PlanSetup) -> dict[str, LayerEvidence]:
+def _layer_evidence(layer: PlanLayer, what_if, s: PlanSetup, snr: dict) -> dict[str, LayerEvidence]:
     out = {"bf16": BF16_EVIDENCE}
     for fmt in layer.candidates:
         if fmt == "bf16":
@@ -186,7 +193,8 @@ def _layer_evidence(layer: PlanLayer, what_if, s: PlanSetup) -> dict[str, LayerE
             out[fmt] = LayerEvidence(fmt, -math.inf, -math.inf, 0.0)
             continue
         ev = what_if_evidence(what_if, fmt)
-        extra, ok = {}, True
+        g = snr.get(fmt, {}).get(layer.name, math.inf)
+        extra, ok = {"grad_snr": g}, g >= GRAD_SNR_THRESHOLD
         for name, measure in s.measures:
             value, passes = measure(what_if, fmt)
             extra[name], ok = float(value), ok and bool(passes)
@@ -207,7 +215,7 @@ def _report(s: PlanSetup, band, bf16, plan_run, bf16_step_s, evidence, picks, at
             lay.name, lay.shape.n, lay.shape.k, lay.shape.m, shown.format, shown.why,
             lay.shape.flops / flops if flops else 0.0, lay.cost("bf16"), lay.cost(shown.format),
             lay.candidates, dict(lay.excluded),
-            {f: FormatEvidence(e.sqnr_db, e.saturated, e.passes(s.floor_db))
+            {f: FormatEvidence(e.sqnr_db, e.saturated, e.passes(s.floor_db), e.extra.get("grad_snr", math.inf))
              for f, e in evidence[lay.name].items() if f != "bf16"}))
     # The rest of the step (attention, norms, the optimizer): the profiled bf16 step less its linears,
     # which the profile may count with fewer GEMMs (a first layer computes no input gradient): >= 0.
