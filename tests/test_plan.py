@@ -183,3 +183,18 @@ def test_gradient_snr_separates_fp4_from_fp8_end_to_end(workload):
     assert set(fp8) == set(fp4) == set(names)
     # e4m3 keeps ~3.5 significant bits more than e2m1: the fp8 gradient is many times closer to fp32's.
     assert all(fp8[n] > 4 * fp4[n] for n in names) and min(fp8.values()) > 10 * GRAD_SNR_THRESHOLD
+
+
+@pytest.mark.slow       # five short trainings of a tiny model: ~10 s on a loaded 2-core CPU
+def test_plan_model_plans_a_users_own_model():
+    from torch import nn
+    from mixprec.lab.plan import plan_model
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=g)
+    y = (x @ torch.randn(32, 16, generator=g)).tanh()
+    report = plan_model(lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)),
+                        lambda params: torch.optim.AdamW(params, lr=1e-3), x, y, torch.nn.functional.mse_loss,
+                        target=FREE_H, batch_size=64, steps=8)
+    assert report.accepted and [lay.name for lay in report.layers] == ["0", "2"]
+    assert all(lay.format in ("current", "rowwise", "block") for lay in report.layers)
+    assert all(lay.excluded["nvfp4"] == "no nvfp4 kernel on free-h100" for lay in report.layers)
