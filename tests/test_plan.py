@@ -135,6 +135,7 @@ def test_bad_inputs_are_one_clear_error(workload):
         plan_setup(workload("tiny"), steps=4)
 
 
+@pytest.mark.slow       # a whole plan's evidence: ~5 s unloaded, 16 s on the loaded 2-core CPU
 def test_a_budget_nothing_meets_names_the_layers_and_by_how_much(workload):
     report = run_plan(plan_setup(workload("tiny"), target=FREE_B, steps=8, floor_db=200))
     assert not report.accepted and report.recipe == ""

@@ -24,6 +24,7 @@ batches, a loss).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -161,7 +162,6 @@ def _unmet(s: PlanSetup, evidence) -> tuple[str, ...]:
 
 def _profile(w: Workload, mp, s: PlanSetup) -> float:
     """One bf16 step of the workload costed op by op on the target (a copy of the model: untouched)."""
-    import copy
     model = copy.deepcopy(mp.model)
     data = w.load_data()
     idx = batch_order(len(data.y_train), w.batch_size, 1, s.seed)[0]
