@@ -88,5 +88,6 @@ def resolve_backends(config: Fp8Config, device: torch.device | str) -> tuple[dic
                 raise
             raise ValueError(f"fp8 layers={'+'.join(f'{p}:{scaling.value}' for p in rules)}: {exc}") from None
         if note and note not in notes:
-            notes.append(note)
+            # The emulation's notices first: the engine's warning leads with what runs emulated.
+            notes.insert(0 if backends[scaling] == "emulate" else len(notes), note)
     return backends, "; ".join(notes)
