@@ -71,9 +71,10 @@ def supports(recipe: Recipe | str, device: torch.device | str) -> Support:
                                   "Ampere, or later): use fp16")
     if recipe.fp8 is not None and recipe.fp8.backend == "scaled_mm":
         # backend=auto runs anywhere (emulated where torch._scaled_mm cannot); scaled_mm was demanded.
-        fp8 = probe_fp8_kernel(recipe.fp8.scaling.value, device)
-        if not fp8.ok:
-            return Support(False, f"{fp8.reason}: use fp8 backend=auto (emulates) or a bf16 recipe")
+        for scaling in recipe.fp8.scalings:        # the leading scaling and every layers= rule's
+            fp8 = probe_fp8_kernel(scaling.value, device)
+            if not fp8.ok:
+                return Support(False, f"{fp8.reason}: use fp8 backend=auto (emulates) or a bf16 recipe")
     return Support(True)
 
 

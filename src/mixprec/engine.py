@@ -39,7 +39,7 @@ from .grad_norm import GradNorm
 from .grad_sync import GradSync, GroupChoice, SyncKind
 from .export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
-from .fp8.swap import Fp8SwapReport, check_fp8_patterns, none_swapped_reason, resolve_backend, swap_to_fp8
+from .fp8.swap import Fp8SwapReport, check_fp8_patterns, none_swapped_reason, resolve_backends, swap_to_fp8
 from .layer_scale import LayerLossScale
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
 from .master import MasterWeights
@@ -141,8 +141,9 @@ class MixedPrecision:
                                         numel=self.master.numel_of if self.master else torch.Tensor.numel)
         self.fp8_report: Fp8SwapReport | None = None
         if self.recipe.fp8 is not None:
-            backend, note = resolve_backend(self.recipe.fp8, self.device)
-            if note and backend == "emulate":    # the notice: fp8 runs, but emulated, and why
+            # A backend per scaling: ``layers=`` rules may mix formats with and without a kernel here.
+            backend, note = resolve_backends(self.recipe.fp8, self.device)
+            if note and "emulate" in backend.values():    # the notice: fp8 runs, but emulated, and why
                 warnings.warn(note, Fp8EmulationWarning, stacklevel=2)
             keeps = (lambda m: keeps_fp32(m, self.recipe)) if self.recipe.param.is_low else None
             self.fp8_report = swap_to_fp8(model, self.recipe.fp8, backend=backend, note=note,

@@ -18,12 +18,13 @@ from .linear import ROLES, Fp8Linear
 from .matmul import emulated_mm, probe_scaled_mm, scaled_mm
 from .scaling import amax_f32, cast_to_fp8, current_scale, delayed_scale, quantize_fp8, record_amax
 from .stats import Fp8LayerStats, Fp8TensorStats, count_fp8_ranges, fp8_layer_stats
+from .backends import resolve_backends
 from .swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport, Fp8UncoveredWeight, resolve_backend, swap_to_fp8
 
 __all__ = [
     "Fp8Linear", "Fp8Conv1D", "Fp8GroupedLinear", "Fp8LayerState", "is_hf_conv1d", "ROLES", "probe_scaled_mm", "scaled_mm", "emulated_mm",
     "amax_f32", "current_scale", "delayed_scale", "record_amax", "cast_to_fp8", "quantize_fp8",
-    "Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8", "resolve_backend",
+    "Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8", "resolve_backend", "resolve_backends",
     "Fp8Config", "Fp8Scaling", "BlockedRecipe", "blocked_recipe",
     "Fp8LayerStats", "Fp8TensorStats", "fp8_layer_stats", "count_fp8_ranges",
 ]

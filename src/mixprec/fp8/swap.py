@@ -35,8 +35,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..devices import probe_fp8_kernel, probe_fp8_speed
 from ..recipe.fp8 import Fp8Config
+from .backends import backend_per_scaling, resolve_backend, resolve_backends
 from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .experts import expert_projections, experts_blocker, grouped_backend, is_hf_experts, to_fp8_experts
 from .layer_state import Fp8LayerState
@@ -44,11 +44,13 @@ from .fsdp_weight import fp8_in_place, unsharded_class
 from .linear import Fp8Linear
 
 __all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8",
-           "resolve_backend", "check_fp8_patterns", "none_swapped_reason"]
+           "resolve_backend", "resolve_backends", "check_fp8_patterns", "none_swapped_reason"]
 
 _ALIGN = 16
 # How a swapped layer's line names a blocked format (per-tensor fp8 lines keep the bare "fp8").
-_FORMAT_WORDS = {"rowwise": "rowwise e4m3, a power-of-two scale per row",
+_FORMAT_WORDS = {"current": "current e4m3/e5m2, one scale per tensor",
+                 "delayed": "delayed e4m3/e5m2, one scale per tensor from an amax history",
+                 "rowwise": "rowwise e4m3, a power-of-two scale per row",
                  "block": "block e4m3, 1x128 tiles and 128x128 weight blocks",
                  "mxfp8": "mxfp8 e4m3, e8m0 scale per 32",
                  "nvfp4": "nvfp4 e2m1, e4m3 scale per 16 x fp32"}
@@ -138,8 +140,9 @@ class Fp8SwapReport:
         width = max([len("layer")] + [len(d.name) for d in self.layers] + [len(u.name) for u in self.uncovered])
         share = f" ({self.fp8_fraction:.0%} of the parameters)" if self.parameters else ""
         # A blocked format's name leads the swapped layers' detail (see swap_to_fp8).
-        kind = next((" to " + d.detail.split()[0] for d in self.layers
-                     if d.swapped and d.detail and d.detail.split()[0] in _FORMAT_WORDS), "")
+        words = dict.fromkeys(d.detail.split()[0] for d in self.layers
+                              if d.swapped and d.detail and d.detail.split()[0] in _FORMAT_WORDS)
+        kind = (" to " + "+".join(words)) if words else ""
         lines = [f"fp8: {len(self.swapped)} of {len(self.layers)} {self.kinds} swapped{kind}{share}, backend "
                  f"{self.backend}"] + ([f"  {self.note}"] if self.note else []) + \
                 [f"  {'layer':<{width}}  {'weight (out, in)':>16}  decision"]
@@ -157,66 +160,23 @@ class Fp8SwapReport:
         return "\n".join(lines)
 
 
-# backend=auto keeps torch._scaled_mm unless the measured probe finds it more than this many times
-# slower than the emulation. A sound kernel measures about 1.1x on a CPU (AMD Zen 5, torch 2.13: the
-# casts around the matmuls then decide the step, within 15% either way); a reference loop measures
-# hundreds. The margin keeps the choice, and so the numbers, the same run to run on a loaded machine.
-_SLOWER_THAN_EMULATION = 2.0
-
-
-def resolve_backend(config: Fp8Config, device: torch.device | str) -> tuple[str, str]:
-    """``(backend, note)`` for ``device``: ``auto`` picks the faster of scaled_mm and the emulation.
-
-    ``auto``: the emulation where the scaling's kernel cannot run (``devices.probe_fp8_kernel``: mxfp8
-    and nvfp4 always, their kernels need Blackwell; block off Hopper); on a CPU where it runs
-    (per-tensor, rowwise), whichever a measured probe finds faster (``devices.probe_fp8_speed``: under
-    a millisecond, once per process); on CUDA (8.9+; block: 9.x) the kernel. ``backend=scaled_mm``
-    or ``backend=emulate`` overrides the choice; ``scaled_mm`` on a device that cannot run it is a
-    ValueError with the reason. The note names the choice and why; the engine shows it once, as an
-    ``Fp8EmulationWarning``, when the emulation runs.
-    """
-    if config.backend == "emulate":
-        return "emulate", ""
-    support = probe_fp8_kernel(config.scaling.value, device)
-    if support.ok and config.backend == "scaled_mm":
-        return "scaled_mm", ""
-    what = "fp8" if not config.blocked else f"fp8={config.scaling.value}"
-    if not support.ok:
-        if config.backend == "scaled_mm":
-            raise ValueError(f"{what} backend=scaled_mm cannot run on {device}: {support.reason}; use "
-                             "backend=auto or backend=emulate")
-        return "emulate", (f"{what} is emulated on {device} (exact rounding, fp32 matmuls, no speed-up): "
-                           f"{support.reason}")
-    if config.scaling.value == "block":
-        return "scaled_mm", ""                    # Hopper's block kernels: what fp8=block is for
-    # Per-tensor and rowwise on a CPU: the one measured probe (a per-tensor fp8 matmul; the rowwise
-    # kernel costs the same within noise: benchmarks/RESULTS.md) decides both.
-    speed = probe_fp8_speed(device)
-    if speed is None:
-        return "scaled_mm", ""
-    measured = (f"a {speed.size}x{speed.size}x{speed.size} fp8 matmul took {speed.scaled_mm_s * 1e3:.3f} ms "
-                f"with torch._scaled_mm, {speed.emulate_s * 1e3:.3f} ms emulated")
-    if speed.ratio > _SLOWER_THAN_EMULATION:
-        return "emulate", (f"fp8 is emulated on {device} (exact fp8 rounding, fp32 matmuls): torch._scaled_mm "
-                           f"runs here but measured {speed.ratio:.0f}x slower ({measured}); "
-                           "fp8=...(backend=scaled_mm) forces it")
-    return "scaled_mm", (f"torch._scaled_mm chosen on {device} by a measured probe ({measured}); "
-                         "fp8=...(backend=emulate) overrides it")
-
-
-def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str = "",
+def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str | dict, note: str = "",
                 filter: Callable[[str, nn.Module], bool] | None = None,
                 keeps_fp32: Callable[[nn.Module], bool] | None = None) -> Fp8SwapReport:
     """Replace eligible ``nn.Linear`` modules of ``model`` in place; return the report of every linear.
 
     ``filter(name, module)`` returning False keeps a layer out; ``keeps_fp32(module)`` True means the
-    recipe keeps it fp32. ValueError for a forced layer that does not exist or cannot be fp8 (its
+    recipe keeps it fp32. ``backend``: one word for every layer, or ``{Fp8Scaling: word}`` (what
+    ``resolve_backends`` returns) when ``layers=`` rules give layers scalings of their own; each layer is
+    built with ``config.for_layer(name)``. ValueError for a forced layer that does not exist or cannot be fp8 (its
     shape is named). Parameters are shared, not copied.
     """
     if filter is not None and not callable(filter):
         raise TypeError(f"fp8_filter must be a function filter(name, module) -> bool that returns False "
                         f"for layers to keep out of fp8, or None; got {filter!r}")
     linears = check_fp8_patterns(model, config)
+    backends = backend_per_scaling(config, backend)
+    backend = "+".join(dict.fromkeys(backends.values()))   # the report's word: "emulate+scaled_mm" if mixed
     decisions, replace = [], {}
     where = {name: i for i, (name, _) in enumerate(model.named_modules())}
     for i, (name, module) in enumerate(linears):
@@ -236,25 +196,29 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str, note: str 
             # FSDP2 holds this very module (its hooks swap the gathered weight in): change its class
             # in place instead of replacing it. Its weight is gathered in the recipe's dtype and cast
             # here; shard_model(model, recipe) swaps before sharding and gathers in e4m3.
-            fp8_in_place(module, config, backend)
+            own = config.for_layer(name)
+            fp8_in_place(module, own, backends[own.scaling])
             module.reseed(zlib.crc32(name.encode()))
             detail = "weight all-gathered unscaled by your fully_shard, cast per step (shard_model gathers e4m3)"
         elif reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED):
-            layer = (Fp8Conv1D.from_conv1d(module, config, backend) if is_hf_conv1d(module)
-                     else Fp8Linear.from_linear(module, config, backend))
+            own = config.for_layer(name)         # its ``layers=`` rule's scaling, else the leading one
+            kernel = backends[own.scaling]
+            layer = (Fp8Conv1D.from_conv1d(module, own, kernel) if is_hf_conv1d(module)
+                     else Fp8Linear.from_linear(module, own, kernel))
             # nvfp4's noise and Hadamard signs differ layer to layer and stay the same run to run.
             layer.reseed(zlib.crc32(name.encode()))
             replace[id(module)] = layer
-            if config.blocked:
-                detail = _FORMAT_WORDS[config.scaling.value]      # the report names the format per layer
+            if own.blocked or config.layers:
+                detail = _FORMAT_WORDS[own.scaling.value]        # the report names the format per layer
         decisions.append(Fp8LayerDecision(name, out_f, in_f, reason, detail))
     covered = {id(m.weight) for _, m in linears}
     for name, module in _experts(model):
-        kernel = grouped_backend(module, backend)
+        outer = backends[config.scaling_for(name)]
+        kernel = grouped_backend(module, outer)
         decisions.extend(_experts_decisions(name, module, config, filter, keeps_fp32,
-                                            emulated=backend == "scaled_mm" and kernel == "emulate"))
+                                            emulated=outer == "scaled_mm" and kernel == "emulate"))
         if decisions[-1].swapped:
-            to_fp8_experts(module, config, kernel)
+            to_fp8_experts(module, config.for_layer(name), kernel)
         # The decisions name these weights, and their biases go with them.
         covered.update(id(p) for p in module.parameters(recurse=False))
     # Module order: a linear by its own name, an expert projection (a parameter) by its module's.
@@ -306,8 +270,9 @@ def _experts_decisions(name: str, module: nn.Module, config: Fp8Config,
         detail += ", emulated (no grouped fp8 kernel on this device)"
     blocker = experts_blocker(module)
     pattern = next((p for p in config.skip for n in names if fnmatch.fnmatchcase(n, p)), None)
-    if config.blocked:
-        reason, detail = Fp8Reason.SCALING, f"fp8={config.scaling.value} covers nn.Linear layers"
+    scaling = next((s for s in map(config.scaling_for, names) if s.blocked), config.scaling_for(name))
+    if scaling.blocked:
+        reason, detail = Fp8Reason.SCALING, f"fp8={scaling.value} covers nn.Linear layers"
     elif blocker is not None:
         reason, detail = Fp8Reason.EXPERTS, blocker
     elif keeps_fp32 is not None and keeps_fp32(module):
@@ -363,6 +328,13 @@ def check_fp8_patterns(model: nn.Module, config: Fp8Config) -> list[tuple[str, n
             raise ValueError(f"fp8 force={name!r}: the model has no nn.Linear of that name"
                              + (f"; did you mean {', '.join(map(repr, close))}?" if close else
                                 f"; its linears are: {', '.join(names) or 'none'}"))
+    for pattern, scaling in config.layers:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            close = difflib.get_close_matches(pattern, names, n=3)
+            raise ValueError(f"fp8 layers={pattern}:{scaling.value} matches no nn.Linear of {type(model).__name__} "
+                             "(rules take fnmatch globs over qualified names, e.g. blocks.*.mlp.c_fc)"
+                             + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                                f"; its linears are: {', '.join(names[:8]) or 'none'}"))
     for pattern in config.skip:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             close = difflib.get_close_matches(pattern, names, n=3)
@@ -380,9 +352,10 @@ def _decide(i: int, n: int, name: str, module: nn.Module, config: Fp8Config,
     if name == "":
         return Fp8Reason.ROOT, ""
     if isinstance(module, Fp8LayerState):           # already fp8 (shard_model swapped it)
-        if module.fp8_config != config:
+        if module.fp8_config != config.for_layer(name):     # its own layers= rule's format, if any
             raise ValueError(f"{name!r} is already an fp8 layer with fp8={module.fp8_config}, but the recipe "
-                             f"says fp8={config}: shard the model with the recipe you train with")
+                             f"says fp8={config.for_layer(name)} for it: shard the model with the recipe you "
+                             "train with")
         return (Fp8Reason.FORCED if name in config.force else Fp8Reason.SWAPPED), ""
     if name in config.force:
         return Fp8Reason.FORCED, ""

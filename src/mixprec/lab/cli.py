@@ -7,6 +7,7 @@
     mixprec report runs/today/report.json --out page.html   # the page again, from the JSON alone
     mixprec inspect --benchmark gpt2 --json gpt2.json       # memory per recipe, tensor-core fit; no training
     mixprec ckpt show run/step_1000.ckpt              # verify a checkpoint, print what it holds
+    mixprec plan --workload gpt --target h100         # the fastest per-layer recipe, verified
 
 Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
 HTML page beside it), and the paths written to stderr. A user mistake prints one line,
@@ -34,6 +35,7 @@ from .compare import cli as compare_cli
 from .doctor import cli as doctor_cli
 from .failure import describe_failure, wants_traceback
 from .inspect import cli as inspect_cli
+from .plan import cli as plan_cli
 from .trace import cli as trace_cli
 
 __all__ = ["main"]
@@ -87,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     trace_cli.add_parser(commands)
     inspect_cli.add_parser(commands)
     doctor_cli.add_parser(commands)
+    plan_cli.add_parser(commands)
     checkpoint_cli.add_parser(commands)
     return parser
 

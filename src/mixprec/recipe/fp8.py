@@ -13,6 +13,20 @@ options, and ``str()`` prints it back::
     >>> str(Fp8Config.parse("nvfp4(sr=true,rht=false)"))       # sr=true is nvfp4's default
     'nvfp4(rht=false)'
 
+**Different formats on different layers.** ``layers=PATTERN:SCALING+...`` gives the layers whose
+qualified name matches a glob a scaling of their own; the first rule that matches decides, a layer no
+rule matches takes the leading word's scaling, and ``skip`` (the base recipe) wins over every rule::
+
+    >>> cfg = Fp8Config.parse("rowwise(skip=lm_head,layers=blocks.*.mlp.c_fc:mxfp8+blocks.0.*:current)")
+    >>> cfg.scaling_for("blocks.1.mlp.c_fc").value, cfg.scaling_for("blocks.1.attn.c_proj").value
+    ('mxfp8', 'rowwise')
+    >>> str(cfg.for_layer("blocks.0.attn.c_attn"))            # the layer's own config: defaults, same backend
+    'current'
+
+A rule's layers take their scaling with its defaults (``history``, ``amax``, ``margin``, ``pow2``,
+``sr`` and ``rht`` given in the parentheses apply to the leading word's layers only); ``backend``
+applies to all. ``mixprec plan`` writes recipes in this form.
+
 Two families. **Per tensor** (``current``, ``delayed``): inputs and weights in e4m3, output gradients
 in e5m2, one fp32 scale per tensor. **Blocked** (``fp8/blocked_linear.py``): one scale per block of
 each GEMM operand, blocks laid along that GEMM's contraction dimension, so an outlier costs the
@@ -42,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fnmatch
 import re
 
 __all__ = ["Fp8Scaling", "Fp8Config", "AmaxAlgorithm", "Fp8Backend"]
@@ -99,7 +114,8 @@ class Fp8Config:
     ``rht`` (nvfp4 only, ``None`` elsewhere; True unless set): stochastic rounding of the gradient
     operands, random Hadamard transform of the weight-gradient GEMM's inputs. Layer selection:
     ``skip`` (qualified-name globs left in the base recipe), ``skip_first``/``skip_last`` (the model's
-    first/last ``nn.Linear`` in module order), ``force`` (exact names that must become fp8: an error if one cannot). ``backend``:
+    first/last ``nn.Linear`` in module order), ``force`` (exact names that must become fp8: an error if one cannot),
+    ``layers`` (``(glob, Fp8Scaling)`` rules: a scaling per layer, the first match deciding). ``backend``:
     ``scaled_mm`` (``torch._scaled_mm``), ``emulate`` (``formats.quantize`` then an fp32 matmul) or
     ``auto`` (the faster of the two: scaled_mm on CUDA 8.9+, measured once per process on a CPU;
     the emulation where scaled_mm cannot run; a notice says when the emulation was chosen, and why).
@@ -116,6 +132,7 @@ class Fp8Config:
     skip_first: bool = False
     skip_last: bool = False
     force: tuple[str, ...] = ()
+    layers: tuple[tuple[str, Fp8Scaling], ...] = ()   # (glob, scaling) rules: the first match decides
     backend: Fp8Backend = Fp8Backend.AUTO
 
     def __post_init__(self) -> None:
@@ -141,8 +158,24 @@ class Fp8Config:
         if clash:
             raise ValueError(f"fp8 layers {sorted(clash)} are both skipped and forced; keep one")
         for word in self.skip + self.force:
-            if not word or any(c in word for c in "+,()="):
-                raise ValueError(f"fp8 layer name {word!r} is empty or holds one of + , ( ) =")
+            if not word or any(c in word for c in "+,()=:"):
+                raise ValueError(f"fp8 layer name {word!r} is empty or holds one of + , ( ) = :")
+        self._check_layer_rules()
+
+    def _check_layer_rules(self) -> None:
+        """``layers`` holds (glob, Fp8Scaling) pairs with distinct globs."""
+        seen = set()
+        for rule in self.layers:
+            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
+                    and isinstance(rule[1], Fp8Scaling)):
+                raise TypeError(f"Fp8Config.layers holds (pattern, Fp8Scaling) pairs, got {rule!r}")
+            pattern, _ = rule
+            if not pattern or any(c in pattern for c in "+,()=: "):
+                raise ValueError(f"fp8 layers rule pattern {pattern!r} must be a non-empty name or glob without "
+                                 "'+', ',', '(', ')', '=', ':' or spaces, e.g. blocks.*.mlp.c_fc")
+            if pattern in seen:
+                raise ValueError(f"fp8 layers rule {pattern!r} is given twice; keep one")
+            seen.add(pattern)
 
     def _check_blocked_options(self) -> None:
         """Per-tensor options on a blocked scaling and nvfp4's options elsewhere are errors; nvfp4's
@@ -173,6 +206,32 @@ class Fp8Config:
         """True for ``rowwise``, ``block``, ``mxfp8`` and ``nvfp4``: scales per block, not per tensor."""
         return self.scaling.blocked
 
+    @property
+    def scalings(self) -> tuple[Fp8Scaling, ...]:
+        """Every scaling this config can give a layer: the leading one, then the rules' (no repeats)."""
+        return tuple(dict.fromkeys((self.scaling, *(s for _, s in self.layers))))
+
+    def rule_for(self, name: str) -> tuple[str, Fp8Scaling] | None:
+        """The first ``layers`` rule whose glob matches the qualified name ``name``, or None."""
+        return next((r for r in self.layers if fnmatch.fnmatchcase(name, r[0])), None)
+
+    def scaling_for(self, name: str) -> Fp8Scaling:
+        """The scaling the layer named ``name`` takes (its rule's, else the leading one)."""
+        rule = self.rule_for(name)
+        return self.scaling if rule is None else rule[1]
+
+    def for_layer(self, name: str) -> Fp8Config:
+        """The config one layer is built with: this one without rules (and without the layer selection,
+        which the swap has applied), or its rule's scaling with that scaling's defaults."""
+        return self.only(self.scaling_for(name))
+
+    def only(self, scaling: Fp8Scaling) -> Fp8Config:
+        """The config of the layers that take ``scaling`` (no rules, no layer selection): the leading
+        scaling with its options, another with its defaults; ``backend`` kept."""
+        if scaling is self.scaling:
+            return dataclasses.replace(self, layers=(), skip=(), force=(), skip_first=False, skip_last=False)
+        return Fp8Config(scaling=scaling, backend=self.backend)
+
     def __str__(self) -> str:
         default = Fp8Config(scaling=self.scaling)
         opts = []
@@ -184,6 +243,8 @@ class Fp8Config:
                 value = str(value).lower()
             elif isinstance(value, enum.Enum):
                 value = value.value
+            elif f.name == "layers":
+                value = "+".join(f"{pattern}:{scaling.value}" for pattern, scaling in value)
             elif isinstance(value, tuple):
                 value = "+".join(value)
             opts.append(f"{f.name}={value}")
@@ -222,6 +283,8 @@ class Fp8Config:
                 kwargs[key] = _BOOL_WORDS[value.lower()]
             elif key in ("skip", "force"):
                 kwargs[key] = tuple(v for v in value.split("+") if v)
+            elif key == "layers":
+                kwargs[key] = _parse_layer_rules(value)
             else:
                 kind = AmaxAlgorithm if key == "amax" else Fp8Backend
                 if value not in tuple(kind):
@@ -229,3 +292,20 @@ class Fp8Config:
                                      f"{', '.join(k.value for k in kind)}")
                 kwargs[key] = kind(value)
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _parse_layer_rules(value: str) -> tuple[tuple[str, Fp8Scaling], ...]:
+    """``blocks.*.mlp.c_fc:mxfp8+lm_head:current`` -> ``(("blocks.*.mlp.c_fc", MXFP8), ...)``."""
+    rules = []
+    scalings = ", ".join(s.value for s in Fp8Scaling)
+    for word in filter(None, (w.strip() for w in value.split("+"))):
+        pattern, sep, scaling = word.rpartition(":")
+        if not sep or not pattern:
+            raise ValueError(f"fp8 layers={word}: give each rule as PATTERN:SCALING, e.g. "
+                             f"layers=blocks.*.mlp.c_fc:mxfp8+lm_head:rowwise (scalings: {scalings}; "
+                             "skip= keeps layers in the base recipe)")
+        if scaling not in {s.value for s in Fp8Scaling}:
+            raise ValueError(f"fp8 layers={word}: unknown scaling {scaling!r}; valid values: {scalings} "
+                             "(skip= keeps layers in the base recipe)")
+        rules.append((pattern.strip(), Fp8Scaling(scaling)))
+    return tuple(rules)
