@@ -3,7 +3,9 @@ against fp32 itself, the order of the formats, the user's state untouched, and t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
 import warnings
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec.lab.cli import main
 from mixprec.lab.doctor.grad_snr import SNR_FLOOR, GradSnr, gradient_snr, snr_and_sign, with_grad_snr
 from mixprec.lab.doctor.render_what_if import grad_snr_line, what_if_lines
 from mixprec.lab.doctor.report import DoctorReport
@@ -91,3 +94,13 @@ def test_doctor_what_if_reports_it_per_layer_and_round_trips():
     assert any(line.startswith("what-if, end-to-end gradient SNR") for line in what_if_lines(report))
     assert DoctorReport.from_json(report.to_json()).what_if.layers[0].formats[0].grad_snr == \
         report.what_if.layers[0].formats[0].grad_snr
+
+
+def test_cli_can_leave_it_out(tmp_path):
+    with contextlib.redirect_stdout(io.StringIO()) as buf:
+        rc = main(["doctor", "--workload", "mlp", "--steps", "1", "--device", "cpu", "--threads", "1",
+                   "--what-if-no-grad-snr", "--out", str(tmp_path)])
+    assert rc == 0 and "end-to-end gradient SNR" not in buf.getvalue()
+    w = DoctorReport.from_json((tmp_path / "doctor.json").read_text()).what_if
+    assert w is not None and all(math.isnan(r.grad_snr) for layer in w.layers for r in layer.formats)
+

@@ -58,6 +58,10 @@ def _why_not(r: FormatWhatIf, floor_db: float) -> str:
     return ", ".join(out)
 
 
+def _snr_measured(w: WhatIfReport) -> bool:
+    return any(not math.isnan(r.grad_snr) for layer in w.layers for r in layer.formats)
+
+
 def _snr(v: float) -> str:
     return "-" if math.isnan(v) else f"{v:.1f}"
 
@@ -84,8 +88,9 @@ def render_what_if_table(report: DoctorReport) -> Table:
     """Layers down, formats across: SQNR out/grad_W (dB), then flushed|saturated (worst of x, W, g)."""
     w = _what_if(report)
     table = Table(title=f"what-if on step {w.step}'s batch: SQNR of output/grad_W against bf16 (dB); "
-                        f"flushed|saturated, worst of x, W, g; snr: end-to-end gradient SNR against fp32 "
-                        f"(>= sqrt(3)); * = advice (floor {w.floor_db:g} dB)",
+                        f"flushed|saturated, worst of x, W, g; "
+                        + ("snr: end-to-end gradient SNR against fp32 (>= sqrt(3)); " if _snr_measured(w) else "")
+                        + f"* = advice (floor {w.floor_db:g} dB)",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("layer", justify="left", no_wrap=True)
     order = cost_order(w)
