@@ -6,7 +6,7 @@ same weights. Per layer and recipe: the relative error ``|g_r - g| / |g|`` (mean
 relative bias ``|mean(g_r - g)| / |mean(g)|``, the sign agreement (share of entries whose sign matches
 fp32's, weighted by ``|g|``) and the SNR ``|g| / |g_r - g|`` against the sqrt(3) threshold.
 
-    python benchmarks/grad_probe.py --at 0,400,800 --recipes "bf16;fp8;fp8-rowwise;mxfp8;nvfp4"
+    python benchmarks/grad_probe.py --at 0,200,400,600 --recipes "bf16;fp8;fp8-rowwise;mxfp8;nvfp4"
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trajectory", default="mxfp8")
     ap.add_argument("--recipes", default="bf16;fp8;fp8-rowwise;mxfp8;nvfp4")
-    ap.add_argument("--at", default="0,400,800")
+    ap.add_argument("--at", default="0,200,400,600", help="iterations (< --iters): the weights after that many updates")
     ap.add_argument("--iters", type=int, default=800)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batches", type=int, default=4)

@@ -122,8 +122,10 @@ def train_lockstep(recipe: str, *, seed: int, iters: int, shape: Shape | None = 
 
 
 def _job(args: tuple) -> dict:
-    """One run: ``(kind, label, recipe, seed, iters, eval_every, device)``; kind "recipe" or "variant"."""
-    kind, label, recipe, seed, iters, eval_every, device = args
+    """One run: ``(kind, label, recipe, seed, iters, eval_every, device[, Shape kwargs])``; kind "recipe"
+    or "variant"."""
+    kind, label, recipe, seed, iters, eval_every, device = args[:7]
+    shape = Shape(**args[7]) if len(args) > 7 else None
     torch.set_num_threads(1)
     import warnings
     warnings.simplefilter("ignore")
@@ -133,7 +135,7 @@ def _job(args: tuple) -> dict:
         from mxfp8_ablation import configure_variant
         configure = configure_variant(label)
     curve = train_lockstep(recipe, seed=seed, iters=iters, eval_every=eval_every, device=device,
-                           configure=configure)
+                           configure=configure, shape=shape)
     return {"kind": kind, "label": label, "recipe": recipe, "seed": seed, "iters": iters,
             "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
 

@@ -10,7 +10,7 @@ mean stays outside fp32's band at every later evaluation ("-" if it never does, 
 
     python benchmarks/train_quality.py                                 # every recipe, 3 seeds, 800 iters
     python benchmarks/train_quality.py --quick                         # 3 recipes, 2 seeds, 200 iters
-    python benchmarks/train_quality.py --recipes "fp32;mxfp8" --seeds 0,1 --iters 400 --n-embd 32
+    python benchmarks/train_quality.py --recipes "fp32;mxfp8" --seeds 0,1 --iters 400 --n-embd 32 --batch 16
     python benchmarks/train_quality.py --device cuda --workers 12 --json runs.jsonl
 
 Runs go to ``--workers`` processes (one thread each); ``--json`` appends one line per run (the whole
@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=800)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--quick", action="store_true", help="fp32, fp8-rowwise, mxfp8; seeds 0,1; 200 iterations")
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=64, help="width (a multiple of 16 keeps the linears fp8)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--block", type=int, default=64, help="context length")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--json", default=None, help="append one JSON line per run here")
@@ -103,9 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     iters = 200 if args.quick else args.iters
     if "fp32" not in recipes:
         recipes.insert(0, "fp32")
-    jobs = [("recipe", r, r, s, iters, args.eval_every, args.device) for s in seeds for r in recipes]
+    shape = {"n_layer": args.n_layer, "n_embd": args.n_embd, "batch": args.batch, "block": args.block}
+    jobs = [("recipe", r, r, s, iters, args.eval_every, args.device, shape) for s in seeds for r in recipes]
     print(f"torch {torch.__version__}, {args.device}, {len(recipes)} recipes x {len(seeds)} seeds, {iters} "
-          f"iterations, {args.workers} worker(s)", flush=True)
+          f"iterations, {args.workers} worker(s), model {shape}", flush=True)
     print(render(run_jobs(jobs, args.workers, args.json)))
 
 
