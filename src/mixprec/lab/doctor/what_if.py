@@ -13,6 +13,10 @@ units: divided by the loss scale). Then, per format, without touching training:
   nvfp4's stochastic rounding and random Hadamard transform included), against the same GEMM in bf16
   (``x``, ``W``, ``g`` rounded to bf16, fp32 accumulation: the GEMM a bf16 recipe runs).
 
+- **end-to-end gradient SNR** (``grad_snr.py``, filled in by ``run_doctor`` after the last step): the
+  whole model run in the format against fp32, each weight gradient's ``|g| / |g_f - g|`` and sign
+  agreement; below ``GRAD_SNR_FLOOR = sqrt(3)`` the format is not tolerated (issue 35).
+
 The formats are the named recipes' (``fp8`` per-tensor current, ``fp8-rowwise``, ``fp8-block``,
 ``mxfp8``, ``nvfp4``), read from ``RECIPES`` and ``blocked_recipe`` rather than restated here. The
 advice per layer is the cheapest format (fewest bits per element, scales included) whose output and
