@@ -313,6 +313,8 @@ def test_cli_what_if_end_to_end_on_mlp(tmp_path):
     for layer in w.layers:
         assert f"- what-if {layer.name!r}: {w.advice(layer)}" in out
     assert "whole model" in out
+    assert "end-to-end gradient SNR" in out                             # grad_snr.py, on by default
+    assert all(r.grad_snr > 1 for layer in w.layers for r in layer.formats)
     page = (tmp_path / "doctor.html").read_text()
     assert 'id="what-if"' in page and 'id="plot-what-if"' in page and 'href="#what-if"' in page
     assert page.count("data:image/png;base64,", page.index('id="what-if"')) >= 1

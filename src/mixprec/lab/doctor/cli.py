@@ -69,6 +69,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     doctor.add_argument("--what-if-rows", type=int, default=None, metavar="N",
                         help=f"rows of each layer's input and output gradient measured (default "
                              f"{DEFAULT_MAX_ROWS}; more are cut to the first N; implies --what-if)")
+    doctor.add_argument("--what-if-no-grad-snr", action="store_true",
+                        help="leave out the end-to-end gradient SNR (one forward and backward of the whole "
+                             "model per format and in fp32); implies --what-if")
     doctor.set_defaults(handler=handle)
     return doctor
 
@@ -87,10 +90,12 @@ def _plan(args: argparse.Namespace) -> DoctorPlan:
     """Check the command's words and paths before training; ValueError/TypeError say what to fix."""
     modules = None if args.modules is None else args.modules.split(",")
     what_if = None
-    if args.what_if or args.what_if_floor is not None or args.what_if_rows is not None:
+    if (args.what_if or args.what_if_floor is not None or args.what_if_rows is not None
+            or args.what_if_no_grad_snr):
         what_if = WhatIfOptions(
             floor_db=DEFAULT_FLOOR_DB if args.what_if_floor is None else args.what_if_floor,
-            max_rows=DEFAULT_MAX_ROWS if args.what_if_rows is None else args.what_if_rows)
+            max_rows=DEFAULT_MAX_ROWS if args.what_if_rows is None else args.what_if_rows,
+            grad_snr=not args.what_if_no_grad_snr)
     plan = plan_doctor(args.workload, args.recipe, steps=args.steps, device=args.device, seed=args.seed,
                        modules=modules, what_if=what_if)
     check_outputs(args.json, args.out, ("doctor.json", "doctor.html"))

@@ -27,9 +27,9 @@ from ...fp8.linear import ROLES
 from ...recipe import RECIPES
 from .render import percent_text
 from .report import DoctorReport
-from .what_if import FORMATS, FormatWhatIf, WhatIfReport, format_bits
+from .what_if import FORMATS, GRAD_SNR_FLOOR, FormatWhatIf, WhatIfReport, format_bits
 
-__all__ = ["render_what_if_table", "what_if_lines", "what_if_section", "model_formats", "cost_order"]
+__all__ = ["render_what_if_table", "what_if_lines", "grad_snr_line", "what_if_section", "model_formats", "cost_order"]
 
 _ROLE_SHORT = {"input": "x", "weight": "W", "grad_output": "g"}
 
@@ -53,14 +53,44 @@ def _why_not(r: FormatWhatIf, floor_db: float) -> str:
     out = [f"{what} SQNR {_db(v)} dB" for what, v in (("output", r.sqnr_out_db), ("grad_W", r.sqnr_grad_w_db))
            if not v >= floor_db]
     out += [f"saturates {percent_text(c[1] / c[2])} of {_ROLE_SHORT[role]}" for role, c in r.counts.items() if c[1]]
+    if r.grad_snr < GRAD_SNR_FLOOR:
+        out.append(f"end-to-end gradient SNR {r.grad_snr:.2f} < sqrt(3)")
     return ", ".join(out)
+
+
+def _snr_measured(w: WhatIfReport) -> bool:
+    return any(not math.isnan(r.grad_snr) for layer in w.layers for r in layer.formats)
+
+
+def _snr(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.1f}"
+
+
+def grad_snr_line(w: WhatIfReport) -> str | None:
+    """Per format, the smallest end-to-end gradient SNR over the layers and where; None if unmeasured."""
+    parts = []
+    for f in dict.fromkeys(r.format for layer in w.layers for r in layer.formats):    # FORMATS order
+        measured = [(r.grad_snr, layer.name) for layer in w.layers for r in layer.formats
+                    if r.format == f and not math.isnan(r.grad_snr)]
+        if measured:
+            v, name = min(measured)
+            below = sum(1 for x, _ in measured if x < GRAD_SNR_FLOOR)
+            parts.append(f"{f} {v:.1f} ({name})" + (f", below sqrt(3) in {below} layer(s)" if below else ""))
+    if not parts:
+        return None
+    return ("what-if, end-to-end gradient SNR |g| / |g_f - g| (the whole model in the format against fp32, "
+            "same weights and batch; below sqrt(3) = 1.73 quantization outweighs the gradient; it falls as "
+            "the loss does, so a long run goes lower than these few steps): smallest per format: "
+            + "; ".join(parts))
 
 
 def render_what_if_table(report: DoctorReport) -> Table:
     """Layers down, formats across: SQNR out/grad_W (dB), then flushed|saturated (worst of x, W, g)."""
     w = _what_if(report)
     table = Table(title=f"what-if on step {w.step}'s batch: SQNR of output/grad_W against bf16 (dB); "
-                        f"flushed|saturated, worst of x, W, g; * = advice (floor {w.floor_db:g} dB)",
+                        f"flushed|saturated, worst of x, W, g; "
+                        + ("snr: end-to-end gradient SNR against fp32 (>= sqrt(3)); " if _snr_measured(w) else "")
+                        + f"* = advice (floor {w.floor_db:g} dB)",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("layer", justify="left", no_wrap=True)
     order = cost_order(w)
@@ -73,7 +103,8 @@ def render_what_if_table(report: DoctorReport) -> Table:
         for r in (layer.result(f) for f in order):
             mark = "*" if r.format == advice else " "
             text = (f"{_db(r.sqnr_out_db)}/{_db(r.sqnr_grad_w_db)}{mark}\n"
-                    f"{percent_text(r.flushed())}|{percent_text(r.saturated())} ")
+                    f"{percent_text(r.flushed())}|{percent_text(r.saturated())} "
+                    + ("" if math.isnan(r.grad_snr) else f"\nsnr {_snr(r.grad_snr)} "))
             cells.append(Text(text, style="" if r.tolerated(w.floor_db) else "red"))
         name = layer.name + ("" if layer.rows == layer.rows_total else f" ({layer.rows}/{layer.rows_total} rows)")
         table.add_row(name, *cells, advice)
@@ -120,6 +151,9 @@ def what_if_lines(report: DoctorReport) -> list[str]:
         head = (f"{best.format} ({best.bits:.2f} bits/element, SQNR {_db(best.sqnr_out_db)}/"
                 f"{_db(best.sqnr_grad_w_db)} dB)" if best else "bf16: no format is tolerated")
         out.append(f"what-if {layer.name!r}: {head}" + (f" (not {why})" if why else ""))
+    snr_line = grad_snr_line(w)
+    if snr_line:
+        out.append(snr_line)
     everyone, most = model_formats(w)
     line = (f"what-if, whole model: every layer tolerates {everyone} ({_recipe(everyone)})" if everyone
             else "what-if, whole model: no format suits every layer")
@@ -198,14 +232,15 @@ def _heat_map(w: WhatIfReport):     # -> Figure | str
 
 def _detail_table(w: WhatIfReport) -> str:
     """Every layer and format: bits, both SQNRs, flushed and saturated shares of x, W and g."""
-    head = ["layer", "format", "bits", "SQNR out", "SQNR grad_W"] + [
+    head = ["layer", "format", "bits", "SQNR out", "SQNR grad_W", "grad SNR", "sign"] + [
         f"{kind} {_ROLE_SHORT[r]}" for kind in ("flushed", "saturated") for r in ROLES]
     rows = []
     for layer in w.layers:
         advice = w.advice(layer)
         for j, r in enumerate(layer.formats):
             cells = [layer.name if j == 0 else "", r.format + (" *" if r.format == advice else ""),
-                     f"{r.bits:.2f}", _db(r.sqnr_out_db), _db(r.sqnr_grad_w_db)]
+                     f"{r.bits:.2f}", _db(r.sqnr_out_db), _db(r.sqnr_grad_w_db), _snr(r.grad_snr),
+                     "-" if math.isnan(r.grad_sign) else f"{r.grad_sign:.3f}"]
             cells += [percent_text(r.flushed(role)) for role in ROLES]
             cells += [percent_text(r.saturated(role)) for role in ROLES]
             cls = ' class="first"' if j == 0 else ""

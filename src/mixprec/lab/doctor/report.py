@@ -62,6 +62,8 @@ JSON schema, version 1 (one object; strict JSON: non-finite floats are the strin
           format     str;  bits float   bits per element, scales included
           sqnr_out_db, sqnr_grad_w_db   float   against the bf16 GEMM; "Infinity" when identical
           counts     object   per role "input", "weight", "grad_output": [flushed, saturated, values]
+          grad_snr, grad_sign   float   end-to-end weight-gradient SNR and sign agreement against fp32,
+                              the whole model in the format (grad_snr.py); "NaN" when not measured
 
 Adding a field keeps the version (``SCHEMA.added``: readers take a missing new field as empty); it is
 bumped when a field changes meaning or goes away. ``DoctorReport.from_json(report.to_json()) == report``;
@@ -90,7 +92,8 @@ class DoctorReport(JsonReport):
     SCHEMA: ClassVar[Schema] = Schema(
         "doctor", 1, added=frozenset({"fp8_layers", "fp8_swap", "fp8_swap.uncovered", "fp8_swap.parameters",
                                       "fp8_swap.layers[].groups",
-                                      "what_if"}),
+                                      "what_if", "what_if.layers[].formats[].grad_snr",
+                                      "what_if.layers[].formats[].grad_sign"}),
         # Written for readers of the file, recomputed from the fields when read back:
         derived={ScaleWindow: {"recommended": attr("recommended")},
                  ModuleRanges: {"window": lambda report, module: report.module_window(module)},

@@ -38,7 +38,8 @@ from ...engine import MixedPrecision
 from ...loss_scale import NoLossScale
 from ...recipe import RECIPES, Recipe, get_recipe
 from .report import DoctorReport
-from .what_if import WhatIfCapture, WhatIfOptions, measure_what_if
+from .grad_snr import gradient_snr, with_grad_snr
+from .what_if import FORMATS, WhatIfCapture, WhatIfOptions, measure_what_if
 from ..trainer import TrainProgress, batch_order, check_recipe_patterns, check_seed, check_steps, resolve_run
 from ..workloads import Workload
 
@@ -139,6 +140,13 @@ def run_doctor(plan: DoctorPlan, on_progress: Callable[[TrainProgress], None] | 
     ranges = collector.result()
     fp8 = fp8_layer_stats(model) if mp.fp8_report is not None else ()     # one host sync
     what_if = None if capture is None else measure_what_if(capture, plan.what_if, step=plan.steps)
+    if what_if is not None and plan.what_if.grad_snr and what_if.layers:
+        # The whole model in each format against fp32, from the final weights on the last step's batch.
+        x_last, y_last = data.x_train[order[-1]], data.y_train[order[-1]]
+        snr = gradient_snr(w.build_model, model.state_dict(), lambda m: w.loss_fn(m(x_last), y_last),
+                           FORMATS, layers=[layer.name for layer in what_if.layers], device=device,
+                           seed=plan.seed)
+        what_if = with_grad_snr(what_if, snr)
     return DoctorReport(
         workload=w.name, recipe=str(plan.recipe), label=plan.recipe.label, device=str(device),
         device_name=device_name(device), torch_version=torch.__version__, mixprec_version=__version__,

@@ -13,6 +13,10 @@ units: divided by the loss scale). Then, per format, without touching training:
   nvfp4's stochastic rounding and random Hadamard transform included), against the same GEMM in bf16
   (``x``, ``W``, ``g`` rounded to bf16, fp32 accumulation: the GEMM a bf16 recipe runs).
 
+- **end-to-end gradient SNR** (``grad_snr.py``, filled in by ``run_doctor`` after the last step): the
+  whole model run in the format against fp32, each weight gradient's ``|g| / |g_f - g|`` and sign
+  agreement; below ``GRAD_SNR_FLOOR = sqrt(3)`` the format is not tolerated (issue 35).
+
 The formats are the named recipes' (``fp8`` per-tensor current, ``fp8-rowwise``, ``fp8-block``,
 ``mxfp8``, ``nvfp4``), read from ``RECIPES`` and ``blocked_recipe`` rather than restated here. The
 advice per layer is the cheapest format (fewest bits per element, scales included) whose output and
@@ -58,7 +62,7 @@ from ...fp8.linear import ROLES
 from ...fp8.scaling import amax_f32, current_scale, quantize_fp8
 from ...recipe import RECIPES
 
-__all__ = ["FORMATS", "DEFAULT_FLOOR_DB", "DEFAULT_MAX_ROWS", "WhatIfOptions", "FormatWhatIf", "LayerWhatIf",
+__all__ = ["FORMATS", "DEFAULT_FLOOR_DB", "GRAD_SNR_FLOOR", "DEFAULT_MAX_ROWS", "WhatIfOptions", "FormatWhatIf", "LayerWhatIf",
            "WhatIfReport", "WhatIfCapture", "layer_what_if", "measure_what_if", "sqnr_db", "format_bits"]
 
 FORMATS = ("fp8", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")   # named recipes, per-tensor first
@@ -69,6 +73,7 @@ FORMATS = ("fp8", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")   # named recipe
 # format that loses 5+ dB more to a layer's outliers, and stops nvfp4 on normal data; the heavier-tailed
 # activations of real models give nvfp4 more (the lab's gpt: 22-30 dB), and it passes there.
 DEFAULT_FLOOR_DB = 20.0
+GRAD_SNR_FLOOR = math.sqrt(3)   # end-to-end gradient SNR below which quantization outweighs the gradient
 DEFAULT_MAX_ROWS = 4096     # rows of x and g per layer: 4 sequences of 1024, 32 of 128
 _ROW_UNIT = 128             # rows are kept in whole 128-blocks (the largest block along M)
 _BF16 = torch.bfloat16
@@ -80,6 +85,7 @@ class WhatIfOptions:
 
     floor_db: float = DEFAULT_FLOOR_DB
     max_rows: int = DEFAULT_MAX_ROWS
+    grad_snr: bool = True       # also the end-to-end gradient SNR per layer and format (grad_snr.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.floor_db, bool) or not isinstance(self.floor_db, (int, float)) \
@@ -101,6 +107,8 @@ class FormatWhatIf:
     sqnr_grad_w_db: float                     # grad_W = g^T x against bf16
     counts: dict[str, tuple[int, int, int]]   # per role ("input", "weight", "grad_output"):
                                               # (flushed nonzero values, saturated values, values)
+    grad_snr: float = math.nan                # end-to-end: |g| / |g_f - g|, the whole model in the format
+    grad_sign: float = math.nan               # |g|-weighted sign agreement with fp32's gradient (grad_snr.py)
 
     def flushed(self, role: str | None = None) -> float:
         """Share of ``role``'s values flushed to zero; the largest over the three roles when None."""
@@ -121,8 +129,10 @@ class FormatWhatIf:
         return math.nan if math.isnan(a) or math.isnan(b) else min(a, b)
 
     def tolerated(self, floor_db: float) -> bool:
-        """Both SQNRs at or above ``floor_db`` and nothing saturated."""
-        return self.sqnr_min_db >= floor_db and all(c[1] == 0 for c in self.counts.values())
+        """Both SQNRs at or above ``floor_db``, nothing saturated, and the end-to-end gradient SNR (when
+        measured) at or above ``GRAD_SNR_FLOOR``."""
+        return (self.sqnr_min_db >= floor_db and all(c[1] == 0 for c in self.counts.values())
+                and not self.grad_snr < GRAD_SNR_FLOOR)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,37 @@
+"""Long-horizon training quality in lockstep (issue 35): slow; the full table is benchmarks/train_quality.py.
+
+Every recipe trains the lab's gpt from the same weights on the same batches (``mixprec compare``), so the
+per-step training losses of two recipes can be compared directly. mxfp8 and fp8-rowwise quantize every
+element that is normal in e4m3 to the same value (tests/test_blockscale.py), so their curves must stay
+together step by step; a bias or a wrong axis in either would pull them apart long before 800 steps
+(on the H100, 800 iterations of benchmarks/train_quality.py: 0.002 apart on the mean of 3 seeds,
+fp32's seed band being 0.022).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from mixprec.lab.compare.run import plan_compare, run_compare
+
+pytestmark = pytest.mark.slow
+
+
+def test_mxfp8_trains_in_lockstep_with_rowwise_and_fp32():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                 # the "emulated on cpu" notices
+        report = run_compare(plan_compare("gpt", ["fp32", "fp8-rowwise", "mxfp8"], steps=60, device="cpu",
+                                          seed=0, eval_every=60))
+    runs = {r.label: r for r in report.runs}
+    fp32, row, mx = (runs[k].losses for k in ("fp32", "fp8-rowwise", "mxfp8"))
+    # Step by step (the same batch at each step): mxfp8 against rowwise, and against fp32. Measured on
+    # a CPU (torch 2.13): largest step gaps 0.037 and 0.057, test losses fp32 2.451, rowwise 2.433,
+    # mxfp8 2.472: lockstep runs drift apart by a few hundredths from rounding-order changes alone
+    # (RESULTS.md, issue 35: the same rowwise recipe on a kernel and emulated ends up to 0.029 apart).
+    # The issue reported mxfp8 0.65-1.34 above fp32; these bounds sit at 2-3x the drift.
+    assert max(abs(a - b) for a, b in zip(mx, row)) < 0.1
+    assert max(abs(a - b) for a, b in zip(mx, fp32)) < 0.15
+    assert abs(runs["mxfp8"].test_metric - runs["fp8-rowwise"].test_metric) < 0.1
+    assert runs["mxfp8"].test_metric < runs["fp32"].test_metric + 0.1
