@@ -68,14 +68,16 @@ def snr_and_sign(ref: torch.Tensor, test: torch.Tensor) -> torch.Tensor:
 
 def _weight_grads(build_model: Callable[[], nn.Module], state: Mapping[str, torch.Tensor], recipe: str,
                   loss: Callable[[nn.Module], torch.Tensor], layers: Sequence[str], device: torch.device,
-                  seed: int) -> dict[str, torch.Tensor]:
+                  seed: int, fp8_layers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model = build_model().to(device)
         model.load_state_dict(state)           # fp32 parameters: a pure recipe's low-precision values, cast
         model.train()
         with warnings.catch_warnings():        # the user runs none of these recipes: no notice of their
             warnings.simplefilter("ignore", Fp8EmulationWarning)              # emulation on this device
-            mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), recipe, seed=seed)
+            only = None if fp8_layers is None else (lambda name, _m, keep=frozenset(fp8_layers): name in keep)
+            mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), recipe, seed=seed,
+                                fp8_filter=only if recipe != "fp32" else None)
         torch.manual_seed(seed)                # dropout and the like draw the same for every format
         with mp.autocast():
             out = loss(model)
@@ -98,13 +100,15 @@ def _compare(ref: dict[str, torch.Tensor], test: dict[str, torch.Tensor]) -> dic
 
 def gradient_snr(build_model: Callable[[], nn.Module], state: Mapping[str, torch.Tensor],
                  loss: Callable[[nn.Module], torch.Tensor], formats: Sequence[str], *, layers: Sequence[str],
-                 device: str | torch.device = "cpu", seed: int = 0) -> dict[str, dict[str, GradSnr]]:
+                 device: str | torch.device = "cpu", seed: int = 0,
+                 fp8_layers: Sequence[str] | None = None) -> dict[str, dict[str, GradSnr]]:
     """Per layer (qualified names of linear layers) and format (recipe names): the weight gradient's
     end-to-end SNR and sign agreement against fp32, the whole model run under the format.
 
     ``build_model()`` makes a fresh model of the same architecture; ``state`` its weights (a
     ``state_dict``; an fp8 model's keys are nn.Linear's); ``loss(model)`` runs the batch and returns the
-    loss (called inside the recipe's autocast).
+    loss (called inside the recipe's autocast). ``fp8_layers``: only these linears take the format's
+    fp8 (the others stay in the recipe's base precision), as a plan that keeps some layers in bf16 runs.
     """
     if not layers:
         raise ValueError("gradient_snr needs the names of the linear layers to compare (layers=[...])")
@@ -112,7 +116,8 @@ def gradient_snr(build_model: Callable[[], nn.Module], state: Mapping[str, torch
     ref = _weight_grads(build_model, state, "fp32", loss, layers, device, seed)
     return_: dict[str, dict[str, GradSnr]] = {n: {} for n in layers}
     for fmt in formats:
-        for name, r in _compare(ref, _weight_grads(build_model, state, fmt, loss, layers, device, seed)).items():
+        test = _weight_grads(build_model, state, fmt, loss, layers, device, seed, fp8_layers)
+        for name, r in _compare(ref, test).items():
             return_[name][fmt] = r
     return return_
 

@@ -37,6 +37,8 @@ from ...diagnostics.memory import SavedTensorMeter
 from ...engine import MixedPrecision
 from ...model_io import predictions
 from ...recipe import Recipe, get_recipe
+from ..doctor.grad_snr import SNR_FLOOR
+from ..doctor.grad_snr import gradient_snr as doctor_gradient_snr
 from ..doctor.what_if import LayerWhatIf, WhatIfCapture
 from ..trainer import batch_order
 from ..workloads import Workload
@@ -155,8 +157,8 @@ def capture_what_if(model: nn.Module, into: dict, weights: dict | None = None) -
 
 # The gradient signal-to-noise ratio below which a format's weight gradients stop pointing the way
 # fp32's do ("FP4 All the Way": sqrt(3)); the MXFP8 issue's finding: nvfp4 crossed it as it left
-# fp32's band, the fp8 formats stayed above it.
-GRAD_SNR_THRESHOLD = math.sqrt(3)
+# fp32's band, the fp8 formats stayed above it. The doctor's measure, one definition for both tools.
+GRAD_SNR_THRESHOLD = SNR_FLOOR
 
 
 def gradient_snr(workload: Workload, weights: dict, fmt: str, *, step: int, seed: int, steps: int,
@@ -164,32 +166,19 @@ def gradient_snr(workload: Workload, weights: dict, fmt: str, *, step: int, seed
     """End-to-end weight-gradient SNR of ``fmt`` per layer: ``|g| / |g_fmt - g|`` where ``g`` is fp32's
     gradient and ``g_fmt`` the gradient with every planned layer in ``fmt`` (the whole model run under
     it, so errors that propagate through the backward count), at the same ``weights`` and batch
-    (``step`` of the lockstep order). One forward and backward per recipe; nothing is trained."""
+    (``step`` of the lockstep order): the doctor's ``grad_snr.gradient_snr`` on the workload's model.
+    One forward and backward per recipe; nothing is trained."""
     data = workload.load_data().to(device)
     idx = batch_order(len(data.y_train), workload.batch_size, steps, seed)[step].to(device)
     x, y = data.x_train[idx], data.y_train[idx]
     names = list(layers)
-    grads = {}
-    for recipe in ("fp32", f"bf16,fp8={fmt}"):
+
+    def build() -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = workload.build_model()
-        model.load_state_dict(weights)
-        model.to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mp = MixedPrecision(model, opt, recipe, seed=seed,
-                                fp8_filter=(lambda n, _m: n in names) if recipe != "fp32" else None)
-        with mp.autocast():
-            loss = workload.loss_fn(predictions(model(x)), y)
-        mp.backward(loss)
-        modules = dict(model.named_modules())
-        grads[recipe] = {n: modules[n].weight.grad.detach().float().clone() for n in names}
-    ref, test = grads["fp32"], grads[f"bf16,fp8={fmt}"]
-    out = {}
-    for n in names:
-        noise = torch.linalg.vector_norm(test[n] - ref[n])
-        signal = torch.linalg.vector_norm(ref[n])
-        out[n] = float(signal / noise) if float(noise) > 0 else math.inf
-    return out
+            return workload.build_model()
+
+    recipe = f"bf16,fp8={fmt}"
+    snr = doctor_gradient_snr(build, weights, lambda model: workload.loss_fn(predictions(model(x)), y), [recipe],
+                              layers=names, device=device, seed=seed, fp8_layers=names)
+    return {n: snr[n][recipe].snr for n in names}
