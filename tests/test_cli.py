@@ -541,3 +541,25 @@ def test_mixprecs_own_error_while_a_workload_runs_is_its_message_without_the_rai
     except RuntimeError as e:
         line = describe_failure(e, "mine:tiny")
     assert "module Linear" in line and "F.linear" in line, line
+
+
+def test_cli_shows_python_warnings_as_its_own_one_line_notes(capsys):
+    """Issue 37: the CLI printed raw warnings (`.../lab/trainer.py:181: Fp8EmulationWarning: ...` and then
+    the source line `mp = MixedPrecision(...)`); the library, used from Python, must keep warning normally."""
+    import warnings
+    import torch
+    from torch import nn
+    import mixprec
+    from mixprec.lab.cli import main
+    shown_before = warnings.showwarning
+    # cnn's only linear is its (10, 32) head: fp8 swaps nothing and the engine warns (a real warning).
+    assert main(["trace", "--workload", "cnn", "--recipe", "fp8", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("mixprec: note: ")]
+    assert len(notes) == 1 and "swapped no layer to fp8" in notes[0] and notes[0].endswith("(UserWarning)")
+    assert err.strip() == notes[0]                      # no path, no source line, nothing else
+    assert ".py:" not in err and "MixedPrecision(" not in err
+    assert warnings.showwarning is shown_before         # the CLI gave Python's printer back
+    model = nn.Sequential(nn.Linear(32, 10))
+    with pytest.warns(UserWarning, match="swapped no layer to fp8"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
