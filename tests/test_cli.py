@@ -563,3 +563,28 @@ def test_cli_shows_python_warnings_as_its_own_one_line_notes(capsys):
     model = nn.Sequential(nn.Linear(32, 10))
     with pytest.warns(UserWarning, match="swapped no layer to fp8"):
         mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+
+
+def test_ctrl_c_while_the_page_renders_still_writes_report_table_and_page(tmp_path, monkeypatch, capsys):
+    """Issue 37: a Ctrl-C after every recipe finished, while the page rendered, left only report.json
+    (no table, no page) and exited 130. A real SIGINT is sent from inside the page's renderer."""
+    import os
+    import signal
+    import mixprec.lab.compare.html
+    from mixprec.lab.cli import main
+    real_render = mixprec.lab.compare.html.render_html
+
+    def render_after_ctrl_c(report):
+        os.kill(os.getpid(), signal.SIGINT)     # delivered to the main thread before the next bytecode
+        return real_render(report)
+    monkeypatch.setattr(mixprec.lab.compare.html, "render_html", render_after_ctrl_c)
+    handler_before = signal.getsignal(signal.SIGINT)
+    rc = main(["compare", "--recipes", "fp32,bf16", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 130 and "after all 2 recipe(s) finished" in captured.err
+    report = CompareReport.from_json((tmp_path / "report.json").read_text())
+    assert not report.partial and [r.label for r in report.runs] == ["fp32", "bf16"]   # every recipe ran
+    page = (tmp_path / "report.html").read_text()
+    assert page.rstrip().endswith("</html>") and "PARTIAL" not in page
+    assert "fp32" in captured.out and "bf16" in captured.out and "PARTIAL" not in captured.out   # the table
+    assert signal.getsignal(signal.SIGINT) is handler_before       # Ctrl-C works as before afterwards

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ...recipe import get_recipe
 from ..cli_args import (EXIT_FAILED, EXIT_INTERRUPTED, add_device_arg, add_workload_args, check_outputs, check_writable,
-                        recipe_words, torch_threads, usage_errors, write_json)
+                        interrupts_deferred, recipe_words, torch_threads, usage_errors, write_json)
 from ..console import stdout_console
 from ..trainer import TrainProgress
 from .render import failed, render_notes, render_table, short_names
@@ -85,13 +85,20 @@ def handle(args: argparse.Namespace) -> int:
     with threads:
         report = _run_with_progress(plan, Console(stderr=True))
 
-    write_json(report.to_json(), args.json, args.out, "report.json")
-    if args.out is not None:
-        _write_page(report, args.out / "report.html")
-    _print_table(report)
+    # Every recipe that will run has run: a Ctrl-C now waits until the report, page and table are whole.
+    with interrupts_deferred() as interrupts:
+        write_json(report.to_json(), args.json, args.out, "report.json")
+        if args.out is not None:
+            _write_page(report, args.out / "report.html")
+        _print_table(report)
     if report.partial:
         print(f"mixprec: interrupted; kept the {len(report.runs)} recipe(s) that finished (report marked "
               "partial)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if interrupts.pressed:
+        # Not partial: every recipe finished before the Ctrl-C, and the files hold all of them.
+        print(f"mixprec: interrupted after all {len(report.runs)} recipe(s) finished; the report, table and "
+              "page are complete", file=sys.stderr)
         return EXIT_INTERRUPTED
     if report.runs and all(failed(report, r) for r in report.runs):
         # Nothing to compare: a script running compare must not read this as a result.
