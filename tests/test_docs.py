@@ -237,3 +237,21 @@ def test_a_block_too_big_to_run_imports_only_what_mixprec_has(block):
         mod = importlib.import_module(module)
         missing = [n.strip() for n in names.split(",") if not hasattr(mod, n.strip())]
         assert not missing, f"{block.id}: {module} has no {missing}"
+
+
+def test_install_floors_and_make_tests_extras_are_the_ones_the_build_uses():
+    """Issue 37: docs/index.md said torch >= 2.4 while pyproject required 2.13, and the README's `make test`
+    line left out the vision-test extra the Makefile adds beside a CUDA torch."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    torch_floor = re.search(r'"torch>=([\d.]+)"', pyproject).group(1)
+    python_floor = re.search(r'requires-python = ">=([\d.]+)"', pyproject).group(1)
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert f"(Python >= {python_floor}, torch >= {torch_floor})" in index
+    assert set(re.findall(r"torch >= ([\d.]+)", index)) == {torch_floor}
+    makefile = (ROOT / "Makefile").read_text()
+    extras = re.findall(r"extras=(?:\$\$extras,)?([\w,-]+)", makefile)     # the test target's extras lines
+    assert extras and "vision-test" in extras
+    readme_line = next(line for line in (ROOT / "README.md").read_text().splitlines()
+                       if line.startswith("make test "))
+    for extra in ",".join(extras).split(","):
+        assert extra in readme_line, f"README's `make test` line does not name the {extra} extra"
