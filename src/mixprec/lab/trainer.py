@@ -67,7 +67,7 @@ class RunResult:
     final_loss: float                # mean train loss over the last 10% of steps
     test_metric: float               # the workload's metric on the test set, e.g. accuracy as a fraction
     samples_per_s: float             # training throughput, warm-up steps excluded
-    skipped_steps: int               # steps skipped for inf/NaN gradients
+    skipped_steps: int               # steps skipped for an inf/NaN gradient norm
     final_scale: float               # the loss scale after the last step (1.0 without loss scaling)
     losses: tuple[float, ...]        # train loss per step, before that step's update
     scales: tuple[float, ...]        # loss scale after each step's update

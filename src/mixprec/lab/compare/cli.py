@@ -103,7 +103,7 @@ def handle(args: argparse.Namespace) -> int:
     if report.runs and all(failed(report, r) for r in report.runs):
         # Nothing to compare: a script running compare must not read this as a result.
         print(f"mixprec: error: every recipe failed: all {report.steps} steps of each run were skipped for "
-              "inf/NaN gradients, so no run trained (see the notes above)", file=sys.stderr)
+              "an inf/NaN gradient norm, so no run trained (see the notes above)", file=sys.stderr)
         return EXIT_FAILED
     return 0
 

@@ -59,8 +59,8 @@ def render_html(report: CompareReport) -> str:
     # Runs that skipped every step never trained: their loss and metric are not results, so the loss
     # and metric plots leave them out (each run keeps its colour) and say so.
     hidden = frozenset(i for i, r in enumerate(report.runs) if failed(report, r))
-    left_out = (f" Left out: {', '.join(labels[i] for i in sorted(hidden))} (every step skipped for inf/NaN "
-                "gradients, so not results)." if hidden else "")
+    left_out = (f" Left out: {', '.join(labels[i] for i in sorted(hidden))} (every step skipped for an inf/NaN "
+                "gradient norm, so not results)." if hidden else "")
     none_trained = bool(report.runs) and len(hidden) == len(report.runs)    # captions without a plot to read
     figures = [
         _figure("plot-loss", _loss_plot(report.runs, labels, window, hidden),
@@ -230,7 +230,7 @@ def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int,
     shown = [r for i, r in enumerate(runs) if i not in hidden]
     if not any(math.isfinite(v) for r in shown for v in r.losses):
         # An empty axis (matplotlib's 0.96..1.04) would look like a plot of something.
-        return ("no run trained: every step of every run was skipped for inf/NaN gradients, so there is no "
+        return ("no run trained: every step of every run was skipped for an inf/NaN gradient norm, so there is no "
                 "loss to plot" if not shown else "no finite loss to plot: every recorded loss is NaN or infinite")
     base = next((r for r in shown if r.label == BASELINE), None)
     others = [r for r in shown if r is not base and r.losses]
@@ -277,7 +277,7 @@ def _eval_plot(report: CompareReport, labels: list[str], hidden: frozenset[int] 
     if not any(r.eval_steps for r in report.runs):
         return "no evaluations recorded"
     if len(hidden) == len(report.runs):
-        return (f"no run trained: every step of every run was skipped for inf/NaN gradients, so no test "
+        return (f"no run trained: every step of every run was skipped for an inf/NaN gradient norm, so no test "
                 f"{report.metric} is a result")
     fig, ax = _new_axes(_FULL, 3.6)
     for i, (r, label) in enumerate(zip(report.runs, labels)):

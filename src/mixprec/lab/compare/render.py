@@ -59,7 +59,7 @@ def render_table(report: CompareReport) -> Table:
 
 
 def failed(report: CompareReport, run: RunResult) -> bool:
-    """True when every step of ``run`` was skipped for inf/NaN gradients: the weights never moved."""
+    """True when every step of ``run`` was skipped for an inf/NaN gradient norm: the weights never moved."""
     return report.steps > 0 and run.skipped_steps >= report.steps
 
 
@@ -86,7 +86,7 @@ def render_notes(report: CompareReport) -> list[str]:
     """One-line notes to print under the table: what each custom recipe is, and caveats."""
     names = short_names((r.recipe, r.label) for r in report.runs)
     notes = [f"{names[r.recipe]}: {r.recipe}" for r in report.runs if names[r.recipe] != r.label]
-    notes += [f"{names[r.recipe]} FAILED: all {report.steps} steps were skipped for inf/NaN gradients, so "
+    notes += [f"{names[r.recipe]} FAILED: all {report.steps} steps were skipped for an inf/NaN gradient norm, so "
               f"the weights never changed and its loss and {report.metric} are not results; "
               "'mixprec doctor' with this recipe, or MixedPrecision(..., trace_nonfinite=True), names the "
               "module and op where the first inf/NaN appeared" for r in report.runs if failed(report, r)]

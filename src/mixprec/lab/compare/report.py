@@ -28,7 +28,7 @@ JSON schema, version 1 (one object; floats that are not finite are written as th
       final_loss     float    mean train loss over the last 10% of steps
       test_metric    float    the workload's metric on its test set
       samples_per_s  float    training throughput, warm-up steps excluded
-      skipped_steps  int      steps skipped for inf/NaN gradients
+      skipped_steps  int      steps skipped for an inf/NaN gradient norm (docs/step.md)
       final_scale    float    loss scale after the last step (1.0 without loss scaling)
       losses         [float]  train loss at every step
       scales         [float]  loss scale after every step
