@@ -5,6 +5,7 @@ custom recipe, a CUDA peak, a label with markup in it) is exercised without trai
 """
 
 import base64
+import html
 import dataclasses
 import math
 import re
@@ -203,3 +204,38 @@ def test_no_loss_scaling_anywhere_says_so_instead_of_an_empty_plot():
 def test_a_report_without_runs_renders():
     page = render_html(_report())
     assert all(f'id="{p}"' in page for p in PLOT_IDS)
+
+
+# --------------------------------------------------------------- inspect's and trace's pages (issue 37)
+def test_inspect_and_trace_out_write_json_and_a_page_rendered_from_it(tmp_path, capsys):
+    """README promised that each tool writes its report and a page with --out DIR; inspect and trace
+    refused --out ("unrecognized arguments"). Each page holds its console tables cell for cell, renders
+    from the JSON alone (the same bytes), and needs no network."""
+    from mixprec.lab.cli import main
+    from mixprec.lab.inspect.html import render_inspect_html
+    from mixprec.lab.inspect.report import InspectReport
+    from mixprec.lab.trace.html import render_trace_html
+    from mixprec.lab.trace.report import TraceReport
+    assert main(["inspect", "--workload", "gpt", "--recipes", "fp32,bf16", "--device", "cpu",
+                 "--out", str(tmp_path / "i")]) == 0
+    assert main(["trace", "--workload", "gpt", "--recipe", "bf16", "--device", "cpu",
+                 "--out", str(tmp_path / "t")]) == 0
+    console = capsys.readouterr().out
+    inspect = InspectReport.from_json((tmp_path / "i" / "inspect.json").read_text())
+    page = (tmp_path / "i" / "inspect.html").read_text()
+    assert page == render_inspect_html(inspect)                    # rendered from the report alone
+    assert [m.label for m in inspect.memory] == ["fp32", "bf16"]
+    rows = re.findall(r"<tr><td class=\"left\">(\w+)</td>", page.split('id="memory-table"')[1].split("</table>")[0])
+    assert rows == ["fp32", "bf16"]                                  # memory by role, one row per recipe
+    assert 'id="matmul-table"' in page and list(_images(page)) == ["plot-memory"]
+    fixes = [line for line in console.splitlines() if line.startswith("fix (")]
+    assert fixes and all(f"<li>{html.escape(f)}</li>" in page for f in fixes)   # the padding advice
+    trace = TraceReport.from_json((tmp_path / "t" / "trace.json").read_text())
+    tpage = (tmp_path / "t" / "trace.html").read_text()
+    assert tpage == render_trace_html(trace)
+    body = tpage.split('id="trace-table"')[1].split("</table>")[0]
+    assert body.count("<tr>") == len(trace.records) + 1              # the header and one row per record
+    assert all(f"<td class=\"left\">{r.op}</td>" in body for r in trace.records)
+    assert "forward: " in tpage and "backward: " in tpage           # the dtype counts under the table
+    for p in (page, tpage):
+        assert "http://" not in p and "https://" not in p and "<script" not in p and "<link" not in p

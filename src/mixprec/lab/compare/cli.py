@@ -171,9 +171,10 @@ def _refuse_other_kinds(path: Path, text: str) -> None:
         raise ValueError(f"{path} is a doctor report ('mixprec report' renders compare reports): its "
                          f"page is {path.with_name('doctor.html')} when doctor ran with --out DIR; to "
                          "write it, run 'mixprec doctor ... --out DIR' again")
-    if kind == "inspect":
-        raise ValueError(f"{path} is an inspect report ('mixprec report' renders compare reports); "
-                         "'mixprec inspect' prints its tables, and the JSON is the data")
+    if kind in ("inspect", "trace"):
+        raise ValueError(f"{path} is {'an' if kind == 'inspect' else 'a'} {kind} report ('mixprec report' renders "
+                         f"compare reports): its page is {path.with_name(kind + '.html')} when {kind} ran with "
+                         f"--out DIR; to write it, run 'mixprec {kind} ... --out DIR' again")
 
 
 def _print_table(report: CompareReport) -> None:

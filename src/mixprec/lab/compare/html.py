@@ -29,6 +29,7 @@ from matplotlib.ticker import FuncFormatter, PercentFormatter
 from ...recipe import get_recipe
 from .render import BASELINE, failed, format_bytes, memory_figure, ratio_text, render_notes, render_table, short_names
 from .report import CompareReport
+from ..page import page_html
 from ..trainer import RunResult
 
 __all__ = ["render_html"]
@@ -87,41 +88,11 @@ def render_html(report: CompareReport) -> str:
             ("steps x batch", f"{report.steps} x {report.batch_size}"), ("seed", str(report.seed)),
             ("torch", report.torch_version), ("mixprec", report.mixprec_version),
             ("threads", str(report.threads))]
-    notes = "".join(f"<li>{escape(n)}</li>" for n in render_notes(report))
-    return "\n".join([
-        "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{escape(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>", "<main>",
-        f"<h1>{escape(title)}</h1>",
-        '<dl class="meta">' + "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
-                                      for k, v in meta) + "</dl>",
-        f'<ul class="notes">{notes}</ul>' if notes else "",
-        _table(report), figures[0], figures[1], figures[2],
-        f'<div class="pair">{figures[3]}{figures[4]}</div>',
-        "</main>", "</body>", "</html>", ""])
+    parts = [_table(report), figures[0], figures[1], figures[2], f'<div class="pair">{figures[3]}{figures[4]}</div>']
+    return page_html(title, meta, parts, notes=render_notes(report))
 
 
 # ------------------------------------------------------------------------------------ the page
-_CSS = """
-body { margin: 0; background: #fff; color: #1a1a1a;
-       font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; }
-main { max-width: 1040px; margin: 0 auto; padding: 24px 20px 48px; }
-h1 { font-size: 22px; margin: 0 0 12px; }
-.meta { display: flex; flex-wrap: wrap; gap: 6px 22px; margin: 0 0 12px; }
-.meta div { display: flex; gap: 6px; } .meta dt { color: #666; } .meta dd { margin: 0; font-weight: 600; }
-.notes { margin: 0 0 16px; padding: 8px 12px 8px 28px; background: #fff8e1; border-left: 4px solid #f0b400;
-         font-size: 13.5px; color: #444; }
-table { border-collapse: collapse; margin: 0 0 24px; font-variant-numeric: tabular-nums; }
-caption { text-align: left; color: #666; font-size: 13.5px; padding-bottom: 4px; }
-th, td { padding: 4px 12px; border-bottom: 1px solid #e3e3e3; white-space: nowrap; }
-th { border-bottom: 2px solid #999; font-weight: 600; }
-.left { text-align: left; } .right { text-align: right; } .center { text-align: center; }
-figure { margin: 0 0 28px; } figure img { display: block; max-width: 100%; height: auto; }
-figcaption { font-size: 13.5px; color: #444; margin-top: 4px; }
-.empty { padding: 24px; background: #f6f6f6; color: #666; text-align: center; }
-.pair { display: flex; gap: 20px; } .pair figure { flex: 1 1 0; min-width: 0; }
-@media (max-width: 760px) { .pair { flex-direction: column; } }
-""".strip()
 
 
 def _loss_caption(report: CompareReport, window: int) -> str:
