@@ -77,7 +77,7 @@ def _oplists_cuda_counts() -> str:
 # The compare runs the pages show, as a user types them (the mlp on the CPU; --threads fixed so the run
 # does not depend on how many cores torch picks).
 COMPARE_RUNS = {
-    "mlp": ("compare", "--device", "cpu", "--threads", "1"),
+    "mlp": ("compare", "--device", "cpu", "--threads", "1"),       # also `make compare`'s (test_docs checks)
     "fp8": ("compare", "--recipes", "bf16,fp8,fp8-delayed", "--device", "cpu", "--threads", "1"),
     "ddp.one": ("compare", "--recipes", "fp32,fp16,bf16-pure", "--steps", "200", "--device", "cpu",
                 "--threads", "1"),
@@ -103,10 +103,12 @@ def _compare(args: tuple[str, ...], steps: int | None = None) -> tuple[str, dict
 
 
 def _table(args: tuple[str, ...]) -> str:
-    """The command line and the table it prints (title, header, rows; the notes under it cut)."""
+    """The command line and the table it prints (title, header, rows, and the caption that says how speed was
+    measured; the notes under it cut)."""
     stdout, _ = _compare(args)
     lines = [line.rstrip() for line in stdout.splitlines()]
-    table = lines[:lines.index("", 2)] if "" in lines[2:] else lines
+    end = lines.index("", 2) if "" in lines[2:] else len(lines)
+    table = lines[:end] + [line for line in lines[end + 1:end + 2] if re.match(r"(samples|tokens)/s: measured", line)]
     return "$ mixprec " + " ".join(args) + "\n" + "\n".join(line for line in table if line)
 
 

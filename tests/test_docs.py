@@ -255,3 +255,14 @@ def test_install_floors_and_make_tests_extras_are_the_ones_the_build_uses():
                        if line.startswith("make test "))
     for extra in ",".join(extras).split(","):
         assert extra in readme_line, f"README's `make test` line does not name the {extra} extra"
+
+
+def test_make_compare_runs_the_command_the_readme_shows():
+    """Issue 37: `make compare` ran `mixprec compare` (torch's default threads, any device) while the README
+    showed `mixprec compare --device cpu --threads 1`: a newcomer's table could not be held against it."""
+    makefile = (ROOT / "Makefile").read_text()
+    make_line = re.search(r"^compare:.*\n\t\$\(VENV\)/bin/(mixprec compare[^\n]*)$", makefile, re.MULTILINE).group(1)
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"<!-- fig:compare\.mlp\.table -->\n```\n\$ (mixprec compare[^\n]*)\n", readme).group(1)
+    assert make_line.strip() == shown.strip()
+    assert f"`{shown.strip()}`" in next(line for line in readme.splitlines() if line.startswith("make compare "))

@@ -92,8 +92,8 @@ def handle(args: argparse.Namespace) -> int:
             _write_page(report, args.out / "report.html")
         _print_table(report)
     if report.partial:
-        print(f"mixprec: interrupted; kept the {len(report.runs)} recipe(s) that finished (report marked "
-              "partial)", file=sys.stderr)
+        print(f"mixprec: interrupted; kept the {len(report.runs)} recipe(s) that had taken steps, each at the "
+              "steps it took (report marked partial)", file=sys.stderr)
         return EXIT_INTERRUPTED
     if interrupts.pressed:
         # Not partial: every recipe finished before the Ctrl-C, and the files hold all of them.
