@@ -63,8 +63,9 @@ def render_doctor_html(report: DoctorReport) -> str:
     overview = _figure("plot-gradients", _overview(grads, shift, k_shown),
                        "All gradients of the run (activation and weight gradients of every module, true "
                        "units): the share of nonzero values in each binade. Bars: as computed"
-                       + ("" if fp8 else "; green outline: multiplied by the recommended loss scale; purple "
-                                         "dashes: by the scale the run ended with") + ". " + bands)
+                       + ("; green outline: multiplied by the recommended loss scale" if shift is not None else "")
+                       + ("; purple dashes: by the scale the run ended with" if k_shown not in (None, shift) else "")
+                       + ". " + bands)
     layers = []
     for m in report.modules:
         w = report.module_window(m)

@@ -15,7 +15,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from ..compare.html import _FULL, _ROLES, _figure, _new_axes, _text
+from ..compare.html import _FULL, _ROLES, _category_ticks, _figure, _new_axes
 from ..compare.render import format_bytes, short_names
 from ..page import page_html, rich_table_html
 from .render import render_matmul_table, render_memory_table, render_notes
@@ -69,7 +69,7 @@ def _memory_plot(report: InspectReport) -> Figure | str:
     for i in x:
         ax.annotate(format_bytes(bottom[i]), (i, bottom[i]), xytext=(0, 3), textcoords="offset points",
                     ha="center", va="bottom", fontsize=9)
-    ax.set_xticks(x, [_text(s) for s in labels])
+    _category_ticks(ax, labels)
     ax.set_ylabel("bytes")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
     ax.margins(y=0.18)
