@@ -43,7 +43,8 @@ JSON schema, version 1 (one object; floats that are not finite are written as th
       eval_metrics   [float]  the test metric at each of eval_steps
       memory         object   bytes by role, measured on the first step taken (not skipped):
         params, grads, master, optimizer, activations   int
-        peak         int|null the CUDA allocator's peak over the run; null on other devices
+        peak         int|null the CUDA allocator's peak over the run's own turns, less what the other
+                              runs held meanwhile; null on other devices
 
 Reading a report back gives an equal one: ``CompareReport.from_json(report.to_json()) == report``
 (the JSON comes from the lab's one codec, ``lab/codec.py``, driven by the dataclasses' fields).
