@@ -16,7 +16,7 @@ KEEP_TORCH = $(PY) -c "import torch; print('torch==' + torch.__version__.split('
 .PHONY: compare test test-slow bench clean
 
 compare: $(STAMP)
-	$(VENV)/bin/mixprec compare
+	$(VENV)/bin/mixprec compare --device cpu --threads 1
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"

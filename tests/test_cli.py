@@ -398,20 +398,29 @@ def test_ctrl_c_keeps_the_recipes_that_finished(tmp_path, monkeypatch, capsys):
     """Issue 15: Ctrl-C threw away recipes that had already finished."""
     import mixprec.lab.compare.run
     from mixprec.lab.cli import main
-    real_train, calls = mixprec.lab.compare.run.train, []
+    real_steps, calls = mixprec.lab.compare.run.train_steps, []
 
-    def train_then_interrupt(*args, **kwargs):
+    def steps_then_interrupt(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt          # Ctrl-C while the second recipe trains
-        return real_train(*args, **kwargs)
-    monkeypatch.setattr(mixprec.lab.compare.run, "train", train_then_interrupt)
-    rc = main(["compare", "--recipes", "fp32,bf16,fp16", "--steps", "3", "--device", "cpu",
+        run = real_steps(*args, **kwargs)
+        if len(calls) != 2:
+            return run
+
+        def second():
+            next(run)                        # its first turn (of 1 step: 20 steps / 20 turns)
+            yield
+            raise KeyboardInterrupt          # Ctrl-C during its second turn
+        return second()
+    monkeypatch.setattr(mixprec.lab.compare.run, "train_steps", steps_then_interrupt)
+    rc = main(["compare", "--recipes", "fp32,bf16,fp16", "--steps", "20", "--device", "cpu",
                "--out", str(tmp_path)])
     captured = capsys.readouterr()
-    assert rc == 130 and "kept the 1 recipe(s) that finished" in captured.err
+    assert rc == 130 and "kept the 2 recipe(s) that had taken steps" in captured.err
     report = CompareReport.from_json((tmp_path / "report.json").read_text())
-    assert report.partial and [r.label for r in report.runs] == ["fp32"]
+    # Turns of 1 step: fp32 had taken 2 when bf16 was interrupted in its second turn, fp16 1.
+    assert report.partial and [r.label for r in report.runs] == ["fp32", "fp16"]
+    assert [len(r.losses) for r in report.runs] == [2, 1] and [r.eval_steps[-1] for r in report.runs] == [2, 1]
+    assert "PARTIAL: interrupted after 1-2 of 20 steps" in captured.out
     assert "PARTIAL: interrupted" in captured.out
     assert "PARTIAL: interrupted" in (tmp_path / "report.html").read_text()
 
@@ -541,3 +550,79 @@ def test_mixprecs_own_error_while_a_workload_runs_is_its_message_without_the_rai
     except RuntimeError as e:
         line = describe_failure(e, "mine:tiny")
     assert "module Linear" in line and "F.linear" in line, line
+
+
+def test_cli_shows_python_warnings_as_its_own_one_line_notes(capsys):
+    """Issue 37: the CLI printed raw warnings (`.../lab/trainer.py:181: Fp8EmulationWarning: ...` and then
+    the source line `mp = MixedPrecision(...)`); the library, used from Python, must keep warning normally."""
+    import warnings
+    import torch
+    from torch import nn
+    import mixprec
+    from mixprec.lab.cli import main
+    shown_before = warnings.showwarning
+    # cnn's only linear is its (10, 32) head: fp8 swaps nothing and the engine warns (a real warning).
+    assert main(["trace", "--workload", "cnn", "--recipe", "fp8", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("mixprec: note: ")]
+    assert len(notes) == 1 and "swapped no layer to fp8" in notes[0] and notes[0].endswith("(UserWarning)")
+    assert err.strip() == notes[0]                      # no path, no source line, nothing else
+    assert ".py:" not in err and "MixedPrecision(" not in err
+    assert warnings.showwarning is shown_before         # the CLI gave Python's printer back
+    model = nn.Sequential(nn.Linear(32, 10))
+    with pytest.warns(UserWarning, match="swapped no layer to fp8"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+
+
+def test_ctrl_c_while_the_page_renders_still_writes_report_table_and_page(tmp_path, monkeypatch, capsys):
+    """Issue 37: a Ctrl-C after every recipe finished, while the page rendered, left only report.json
+    (no table, no page) and exited 130. A real SIGINT is sent from inside the page's renderer."""
+    import os
+    import signal
+    import mixprec.lab.compare.html
+    from mixprec.lab.cli import main
+    real_render = mixprec.lab.compare.html.render_html
+
+    def render_after_ctrl_c(report):
+        os.kill(os.getpid(), signal.SIGINT)     # delivered to the main thread before the next bytecode
+        return real_render(report)
+    monkeypatch.setattr(mixprec.lab.compare.html, "render_html", render_after_ctrl_c)
+    handler_before = signal.getsignal(signal.SIGINT)
+    rc = main(["compare", "--recipes", "fp32,bf16", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 130 and "after all 2 recipe(s) finished" in captured.err
+    report = CompareReport.from_json((tmp_path / "report.json").read_text())
+    assert not report.partial and [r.label for r in report.runs] == ["fp32", "bf16"]   # every recipe ran
+    page = (tmp_path / "report.html").read_text()
+    assert page.rstrip().endswith("</html>") and "PARTIAL" not in page
+    assert "fp32" in captured.out and "bf16" in captured.out and "PARTIAL" not in captured.out   # the table
+    assert signal.getsignal(signal.SIGINT) is handler_before       # Ctrl-C works as before afterwards
+
+
+def test_compare_interleaves_recipes_so_load_from_other_work_hits_all_alike():
+    """Issue 37: under load the speed column inverted (fp16 "1.66x faster" than fp32 on a CPU), because the
+    recipes ran one after another and the load changed between them. Here the machine is 'busy' (each
+    step sleeps 10 ms) for the first half of all the steps the compare takes, idle after: one recipe after
+    another, the first would measure about 10x slower than the second; taking turns, each gets half."""
+    import time
+    from mixprec.lab.compare.run import plan_compare, run_compare
+    from mixprec.lab.trainer import train
+    from mixprec.lab.workloads import get_workload
+    mlp, calls = get_workload("mlp"), []
+
+    def loss_on_a_busy_machine(out, y):
+        calls.append(1)
+        if len(calls) <= 40:                  # the first 40 of the 2 x 40 training steps
+            time.sleep(0.010)
+        return mlp.loss_fn(out, y)
+    busy = dataclasses.replace(mlp, loss_fn=loss_on_a_busy_machine)
+    # fp32 twice under two spellings (scale=none is fp32's own): the same work, so the ratio should be 1.
+    plan = plan_compare(busy, ["fp32", "fp32,fp32_modules=LayerNorm"], steps=40, device="cpu", eval_every=40)
+    report = run_compare(plan)
+    assert report.turn_steps == 2 and len(calls) == 80
+    a, b = (r.samples_per_s for r in report.runs)
+    assert 0.6 < a / b < 1.6, (a, b)          # one after another: about 10 (0.26 s against 0.03 s)
+    assert render_table(report).caption == "samples/s: measured in turns of 2 steps, all recipes alike"
+    # Each run's own losses are unchanged by the turns: the same as training it alone.
+    alone = train(mlp, "fp32", steps=40, eval_every=40)
+    assert report.runs[0].losses == alone.losses and report.runs[0].test_metric == alone.test_metric

@@ -237,3 +237,32 @@ def test_a_block_too_big_to_run_imports_only_what_mixprec_has(block):
         mod = importlib.import_module(module)
         missing = [n.strip() for n in names.split(",") if not hasattr(mod, n.strip())]
         assert not missing, f"{block.id}: {module} has no {missing}"
+
+
+def test_install_floors_and_make_tests_extras_are_the_ones_the_build_uses():
+    """Issue 37: docs/index.md said torch >= 2.4 while pyproject required 2.13, and the README's `make test`
+    line left out the vision-test extra the Makefile adds beside a CUDA torch."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    torch_floor = re.search(r'"torch>=([\d.]+)"', pyproject).group(1)
+    python_floor = re.search(r'requires-python = ">=([\d.]+)"', pyproject).group(1)
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert f"(Python >= {python_floor}, torch >= {torch_floor})" in index
+    assert set(re.findall(r"torch >= ([\d.]+)", index)) == {torch_floor}
+    makefile = (ROOT / "Makefile").read_text()
+    extras = re.findall(r"extras=(?:\$\$extras,)?([\w,-]+)", makefile)     # the test target's extras lines
+    assert extras and "vision-test" in extras
+    readme_line = next(line for line in (ROOT / "README.md").read_text().splitlines()
+                       if line.startswith("make test "))
+    for extra in ",".join(extras).split(","):
+        assert extra in readme_line, f"README's `make test` line does not name the {extra} extra"
+
+
+def test_make_compare_runs_the_command_the_readme_shows():
+    """Issue 37: `make compare` ran `mixprec compare` (torch's default threads, any device) while the README
+    showed `mixprec compare --device cpu --threads 1`: a newcomer's table could not be held against it."""
+    makefile = (ROOT / "Makefile").read_text()
+    make_line = re.search(r"^compare:.*\n\t\$\(VENV\)/bin/(mixprec compare[^\n]*)$", makefile, re.MULTILINE).group(1)
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"<!-- fig:compare\.mlp\.table -->\n```\n\$ (mixprec compare[^\n]*)\n", readme).group(1)
+    assert make_line.strip() == shown.strip()
+    assert f"`{shown.strip()}`" in next(line for line in readme.splitlines() if line.startswith("make compare "))

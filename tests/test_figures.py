@@ -42,7 +42,7 @@ def test_exact_figures_still_come_out_of_the_code(name):
     stored = STORE.get(name)
     if stored is None:
         pytest.skip(f"{name} was never generated: run python docs/figures.py --only {name}")
-    if stored["torch"] != figures._torch_minor():
+    if stored["torch"] != figures._torch_minor() and not figures.FIGURES[name].any_torch:
         pytest.skip(f"{name} was recorded on torch {stored['torch']}; this is torch {figures._torch_minor()} "
                     "(op lists differ between versions)")
     assert figures.FIGURES[name].make() == stored["text"], (
@@ -60,3 +60,25 @@ def test_each_compare_table_shows_its_stored_memory_figure(table_name):
     assert STORE[memory_name]["text"] == ", ".join(
         f"{label} {size}" + ("" if label == "fp32" or ratio is None else f" ({ratio})")
         for label, (size, ratio) in rows.items())
+
+
+def test_the_stated_tolerances_are_the_ones_the_check_uses():
+    page = (ROOT / "docs" / "compare.md").read_text()
+    assert f"within {figures.LOSS_TOLERANCE:g} and {figures.ACCURACY_TOLERANCE:g} points" in page
+
+
+@pytest.mark.slow
+def test_the_compare_table_s_losses_and_accuracies_hold_on_this_torch():
+    """Issue 37: the exact-figure tests skip off the torch a figure was recorded on, so CI's newest torch
+    never checked the README's compare table (bf16's loss reads 0.0313 there, 0.0312 on the page). This reruns
+    the table on this torch and holds its loss and accuracy columns to the page's within the stated tolerances
+    (timings are not checked; the memory column is counted, and checked exactly above)."""
+    stored = STORE["compare.mlp.table"]["text"]
+    rows = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(
+        r"^ (\S+)\s+(\d+\.\d+)\s+(\d+\.\d)%", stored, re.MULTILINE)}
+    assert len(rows) == 4, stored
+    _, report = figures._compare(figures.COMPARE_RUNS["mlp"])
+    for run in report["runs"]:
+        loss, accuracy = rows[run["label"]]
+        assert abs(run["final_loss"] - loss) <= figures.LOSS_TOLERANCE + 5e-5, (run["label"], run["final_loss"])
+        assert abs(100 * run["test_metric"] - accuracy) <= figures.ACCURACY_TOLERANCE + 0.05, run["label"]

@@ -233,3 +233,28 @@ def test_chunked_is_one_call_bitwise_through_the_compiled_loop(recipe):
     assert skipped == [False, True, False]
     assert len(many.master._plan(many.optimizer)) > 1
     assert_same_state(master_state(one), master_state(many))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["generic-sgd", "fused-adamw"])
+def test_finite_gradients_whose_norm_overflows_fp32_skip_the_step_as_docs_step_md_says(fused):
+    """Issue 37: docs/step.md said the norm is inf/NaN exactly when a gradient is; a finite gradient above
+    sqrt(fp32 max) = 1.8447e19 overflows the fp32 sum of squares (as in torch's clip_grad_norm_). The page
+    now states that limit; this pins the engine to it on both step paths."""
+    import pathlib
+    import mixprec
+    limit = math.sqrt(torch.finfo(torch.float32).max)             # 1.8446744e19
+    assert "1.8e19" in (pathlib.Path(__file__).parents[1] / "docs" / "step.md").read_text()
+    for g, skipped in [(0.99 * limit, False), (1.01 * limit, True), (math.inf, True)]:
+        model = torch.nn.Linear(2, 1, bias=False)
+        opt = (torch.optim.AdamW(model.parameters(), lr=0.1, fused=True) if fused
+               else torch.optim.SGD(model.parameters(), lr=1e-19))   # moves w by about 1.8
+        mp = mixprec.MixedPrecision(model, opt, "fp32")
+        w0 = model.weight.detach().clone()
+        with mp.autocast():
+            loss = model(torch.ones(1, 2)).sum()
+        mp.backward(loss)
+        model.weight.grad = torch.tensor([[g, 0.0]])                 # one finite (or inf) gradient
+        result = mp.step()
+        assert result.skipped is skipped, g
+        assert math.isinf(result.grad_norm) is skipped
+        assert torch.equal(model.weight.detach(), w0) is skipped      # a skip leaves the weights alone

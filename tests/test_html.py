@@ -5,6 +5,7 @@ custom recipe, a CUDA peak, a label with markup in it) is exercised without trai
 """
 
 import base64
+import html
 import dataclasses
 import math
 import re
@@ -203,3 +204,72 @@ def test_no_loss_scaling_anywhere_says_so_instead_of_an_empty_plot():
 def test_a_report_without_runs_renders():
     page = render_html(_report())
     assert all(f'id="{p}"' in page for p in PLOT_IDS)
+
+
+# --------------------------------------------------------------- inspect's and trace's pages (issue 37)
+def test_inspect_and_trace_out_write_json_and_a_page_rendered_from_it(tmp_path, capsys):
+    """README promised that each tool writes its report and a page with --out DIR; inspect and trace
+    refused --out ("unrecognized arguments"). Each page holds its console tables cell for cell, renders
+    from the JSON alone (the same bytes), and needs no network."""
+    from mixprec.lab.cli import main
+    from mixprec.lab.inspect.html import render_inspect_html
+    from mixprec.lab.inspect.report import InspectReport
+    from mixprec.lab.trace.html import render_trace_html
+    from mixprec.lab.trace.report import TraceReport
+    assert main(["inspect", "--workload", "gpt", "--recipes", "fp32,bf16", "--device", "cpu",
+                 "--out", str(tmp_path / "i")]) == 0
+    assert main(["trace", "--workload", "gpt", "--recipe", "bf16", "--device", "cpu",
+                 "--out", str(tmp_path / "t")]) == 0
+    console = capsys.readouterr().out
+    inspect = InspectReport.from_json((tmp_path / "i" / "inspect.json").read_text())
+    page = (tmp_path / "i" / "inspect.html").read_text()
+    assert page == render_inspect_html(inspect)                    # rendered from the report alone
+    assert [m.label for m in inspect.memory] == ["fp32", "bf16"]
+    rows = re.findall(r"<tr><td class=\"left\">(\w+)</td>", page.split('id="memory-table"')[1].split("</table>")[0])
+    assert rows == ["fp32", "bf16"]                                  # memory by role, one row per recipe
+    assert 'id="matmul-table"' in page and list(_images(page)) == ["plot-memory"]
+    fixes = [line for line in console.splitlines() if line.startswith("fix (")]
+    assert fixes and all(f"<li>{html.escape(f)}</li>" in page for f in fixes)   # the padding advice
+    trace = TraceReport.from_json((tmp_path / "t" / "trace.json").read_text())
+    tpage = (tmp_path / "t" / "trace.html").read_text()
+    assert tpage == render_trace_html(trace)
+    body = tpage.split('id="trace-table"')[1].split("</table>")[0]
+    assert body.count("<tr>") == len(trace.records) + 1              # the header and one row per record
+    assert all(f"<td class=\"left\">{r.op}</td>" in body for r in trace.records)
+    assert "forward: " in tpage and "backward: " in tpage           # the dtype counts under the table
+    for p in (page, tpage):
+        assert "http://" not in p and "https://" not in p and "<script" not in p and "<link" not in p
+
+
+# ------------------------------------------------------------------ many recipes on one page (issue 37)
+def test_seven_recipes_keep_their_names_apart_and_their_loss_curves_readable():
+    """With 7 recipes the bar charts' names overlapped and the loss panel became a bundle of faint lines."""
+    from mixprec.lab.compare.html import _loss_caption, _memory_plot, _throughput_plot
+    names = ["fp32", "fp16", "bf16", "fp16-pure", "bf16-pure", "bf16-sr", "tf32"]
+    report = _report(*(_run(n) for n in names))
+    for fig in (_throughput_plot(report, names, "samples/s"), _memory_plot(report.runs, names)):
+        renderer = fig.canvas.get_renderer()
+        fig.draw(renderer)                          # lays the figure out as savefig would
+        boxes = [t.get_window_extent(renderer) for t in fig.axes[0].get_xticklabels()]
+        assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == names
+        assert not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:])), "recipe names overlap"
+    fig = _loss_plot(report.runs, names, 11)         # the window of a 500-step run
+    faint = [line for line in fig.axes[0].get_lines() if line.get_alpha() is not None and line.get_alpha() < 0.5]
+    assert faint == [] and len(fig.axes[0].get_lines()) == len(names)     # averages only, one per recipe
+    assert "minibatch's own loss is left out" in _loss_caption(report, 11)
+    few = _report(*(_run(n) for n in names[:3]))
+    fig = _loss_plot(few.runs, names[:3], 11)
+    assert len(fig.axes[0].get_lines()) == 6 and "faint lines are each minibatch's loss" in _loss_caption(few, 11)
+
+
+def test_the_doctor_page_names_only_the_outlines_it_draws(tmp_path):
+    """Issue 37: the doctor page of a bf16 run (no loss scale) named "purple dashes" it never drew."""
+    from mixprec.lab.doctor.html import render_doctor_html
+    from mixprec.lab.doctor.report import DoctorReport
+    from mixprec.lab.cli import main
+    assert main(["doctor", "--workload", "mlp", "--recipe", "bf16", "--steps", "2", "--out", str(tmp_path)]) == 0
+    report = DoctorReport.from_json((tmp_path / "doctor.json").read_text())
+    caption = re.search(r'<figure id="plot-gradients">.*?<figcaption>(.*?)</figcaption>',
+                        render_doctor_html(report), re.S).group(1)
+    assert not report.scaled and "purple" not in caption
+    assert "green outline" in caption       # the recommended scale's outline is drawn for every 16-bit run

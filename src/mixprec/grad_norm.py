@@ -23,8 +23,10 @@ order is fixed by the size, and MKL's ``sdot``, which rounds differently at diff
 alignments (measured: the same values at two offsets give sums one ulp apart), is only run on 64-byte
 aligned fp32 buffers (an fp32 gradient in place if it is aligned, anything else through the scratch,
 whose start is). So a chunked step clips and skips exactly as a one-call step. The per-tensor sums are
-added in fp32 in the order of ``grads``; a sum of squares overflows fp32 only for a norm above 1.8e19,
-treated as an overflow.
+added in fp32 in the order of ``grads``, unscaled, as ``clip_grad_norm_`` adds them: the sum of squares
+overflows fp32 (the norm is inf) when the gradients' norm is above sqrt(fp32 max) = 1.8e19 even if every
+gradient is finite, and the step treats that as an overflow (docs/step.md). A scaled sum (divided by the
+largest magnitude first) would cost a second read of every gradient, or a host sync, in every step.
 
     >>> g = torch.full((3,), 2.0, dtype=torch.float16)
     >>> GradNorm()([g]).item()      # sqrt(3 * 2**2)
@@ -58,7 +60,7 @@ _fused_sum_squares = FusedFunction(_sum_squares_f32, "16-bit sum of squares")
 
 
 def global_norm_f32(grads: list[torch.Tensor], sync: GradSync | None = None) -> torch.Tensor:
-    """Global L2 norm in fp32, one read of every gradient; inf or NaN iff some gradient is.
+    """Global L2 norm in fp32, one read of every gradient; inf or NaN if some gradient is, or above 1.8e19.
 
     The norm of the gradients the optimizer itself holds (fp32, or 16-bit where the model is). In one
     process: one multi-tensor ``_foreach_norm`` reads everything (one launch on CUDA, one aten op on a
@@ -133,7 +135,7 @@ class GradNorm:
         self.scratch_bytes = 0
 
     def __call__(self, grads: list[torch.Tensor], sync: GradSync | None = None) -> torch.Tensor:
-        """The global L2 norm of ``grads`` in fp32 (a () tensor); inf or NaN iff some gradient is."""
+        """The global L2 norm of ``grads`` in fp32 (a () tensor); inf or NaN if some gradient is, or above 1.8e19."""
         if not grads:
             raise ValueError("GradNorm needs at least one gradient")
         if grads[0].device.type != "cpu" or torch.compiler.is_compiling():

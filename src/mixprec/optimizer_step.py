@@ -1,7 +1,9 @@
 """The middle of ``MixedPrecision.step()``: from the gradients backward left to the optimizer's update.
 
 One read of the gradients gives a global norm of the still-scaled gradients (``unscale_and_clip``): it
-is inf or NaN exactly when some gradient is, so the overflow check and the clip share that pass, and
+is inf or NaN when some gradient is, and when finite gradients have a norm above 1.8e19 (the sum of
+squares overflows fp32: such a step is skipped too; docs/step.md), so the overflow check and the clip
+share that pass, and
 ``S / clip`` is the divisor the optimizer must apply. Then one of two paths:
 
 - fused (``fused_step_ok``: torch's fused Adam, AdamW or SGD): the optimizer gets ``grad_scale`` and

@@ -10,7 +10,8 @@
     mixprec plan --workload gpt --target h100         # the fastest per-layer recipe, verified
 
 Progress goes to stderr, the table to stdout, the report (data) to ``--json`` or ``--out DIR`` (with its
-HTML page beside it), and the paths written to stderr. A user mistake prints one line,
+HTML page beside it), and the paths written to stderr; a Python warning shows as one line, ``mixprec: note:
+<message> (<Category>)``. A user mistake prints one line,
 ``mixprec: error: <what and how to fix it>``, and exits with status 2; everything is checked before any
 training starts. A compare in which every recipe failed (each run skipped all its steps for inf/NaN
 gradients) prints its table and exits with status 1: there is no result to read. A failure while training (a bug in the user's model) is one line too, naming the
@@ -32,6 +33,7 @@ from .. import __version__
 from . import checkpoint_cli
 from .cli_args import EXIT_INTERRUPTED, UsageError
 from .compare import cli as compare_cli
+from .console import warnings_as_notes
 from .doctor import cli as doctor_cli
 from .failure import describe_failure, wants_traceback
 from .inspect import cli as inspect_cli
@@ -50,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = None
     try:
         args = _parser().parse_args(argv)
-        return args.handler(args)
+        with warnings_as_notes():          # a warning is one line of ours, not a path and a source line
+            return args.handler(args)
     except SystemExit as e:            # --help and --version exit through argparse
         return e.code if isinstance(e.code, int) else 0
     except (UsageError, OSError) as e:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 
 import torch
 from collections.abc import Iterator, Sequence
@@ -18,7 +20,7 @@ from .workloads import BENCHMARKS, WORKLOADS
 
 __all__ = ["UsageError", "usage_errors", "add_workload_args", "add_device_arg", "recipe_words", "check_writable",
            "make_out_dir", "check_no_file_on_the_way", "check_outputs", "write_json", "torch_threads",
-           "EXIT_INTERRUPTED", "EXIT_FAILED", "cpu_cores"]
+           "EXIT_INTERRUPTED", "EXIT_FAILED", "cpu_cores", "Interrupts", "interrupts_deferred"]
 
 EXIT_INTERRUPTED = 130      # the shell's status for Ctrl-C (128 + SIGINT)
 EXIT_FAILED = 1             # the command ran but produced no result (every run failed): scripts must see it
@@ -197,3 +199,37 @@ def _threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+class Interrupts:
+    """Ctrl-C presses counted by ``interrupts_deferred`` (``pressed`` is read after its block)."""
+
+    pressed: int = 0
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[Interrupts]:
+    """Inside: a first Ctrl-C is counted, not raised, so the block writes whole files; a second one raises.
+
+    Once every recipe has trained, writing the report, table and page takes a second or two; a Ctrl-C
+    then would otherwise leave a report without its table or page (or half a page). The caller reads
+    ``pressed`` afterwards and exits 130. Outside the main thread (where Python delivers signals) it
+    changes nothing.
+    """
+    interrupts = Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupts
+        return
+
+    def count(signum, frame) -> None:
+        interrupts.pressed += 1
+        if interrupts.pressed > 1:
+            raise KeyboardInterrupt        # pressed again: the user means it
+        print("mixprec: interrupted; finishing the report, table and page first (Ctrl-C again to stop "
+              "now)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, count)
+    try:
+        yield interrupts
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from ..model_io import output_logits, predictions
 from ..recipe import Recipe, get_recipe
 from .workloads import Workload, get_workload
 
-__all__ = ["TrainProgress", "RunResult", "train", "batch_order", "warmup_steps", "check_steps", "check_seed",
+__all__ = ["TrainProgress", "RunResult", "train", "train_steps", "batch_order", "warmup_steps", "check_steps", "check_seed",
            "check_recipe_patterns", "MAX_STEPS"]
 
 # Steps left out of the samples/s timing: the first ones allocate memory, pick kernels and (on CUDA)
@@ -67,7 +67,7 @@ class RunResult:
     final_loss: float                # mean train loss over the last 10% of steps
     test_metric: float               # the workload's metric on the test set, e.g. accuracy as a fraction
     samples_per_s: float             # training throughput, warm-up steps excluded
-    skipped_steps: int               # steps skipped for inf/NaN gradients
+    skipped_steps: int               # steps skipped for an inf/NaN gradient norm
     final_scale: float               # the loss scale after the last step (1.0 without loss scaling)
     losses: tuple[float, ...]        # train loss per step, before that step's update
     scales: tuple[float, ...]        # loss scale after each step's update
@@ -157,15 +157,38 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
     FSDP2; the losses reported are averaged over ranks (one all_reduce at the end) and samples/s
     counts the global batch.
     """
+    run = train_steps(workload, recipe, steps=steps, device=device, seed=seed, on_progress=on_progress,
+                      progress_every=progress_every, eval_every=eval_every, parallel=parallel,
+                      progress_s=progress_s)
+    while True:
+        try:
+            next(run)
+        except StopIteration as done:
+            return done.value
+
+
+def train_steps(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch.device | str = "cpu",
+                seed: int = 0, on_progress: Callable[[TrainProgress], None] | None = None,
+                progress_every: int = 10, eval_every: int | None = None, parallel: str | None = None,
+                progress_s: float = 2.0, chunk: int | None = None) -> Generator[None, bool | None, RunResult]:
+    """``train`` as a generator that pauses after every ``chunk`` steps, so runs can take turns.
+
+    ``mixprec compare`` trains its recipes interleaved: each run on its own model, optimizer and engine,
+    a chunk of steps at a time, so a machine that gets busier (or a GPU that heats up) slows every recipe
+    alike. While paused a run's clock stops (its samples/s counts its own steps only) and, on CUDA, its
+    peak is counted above what the other runs hold. ``next(run)`` trains the next chunk; ``run.send(True)``
+    stops the run where it is (a Ctrl-C), and it returns a ``RunResult`` of the steps it took (through
+    ``StopIteration.value``), as it does at its end.
+    """
     recipe = get_recipe(recipe)
     steps = check_steps(steps)
     if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int)
                                    or eval_every < 1):
         raise ValueError(f"eval_every must be a positive number of steps, got {eval_every!r}")
     device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t_begin = time.perf_counter()
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive number of steps, got {chunk!r}")
+    clock = _RunClock(device)
 
     data = workload.load_data().to(device)
     order = batch_order(len(data.y_train), workload.batch_size, steps, seed).to(device)
@@ -185,15 +208,14 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
     losses_t, scales_t, skipped_t = [], [], []
     eval_steps, eval_metrics = [], []
     memory, memory_counted, activations = MemoryBreakdown(), False, 0
-    paused_s = 0.0                                            # evaluation time, kept off the clock
     model.train()
     if on_progress is not None:
         on_progress(TrainProgress(0, steps, math.nan, math.nan))   # the run starts now
-    t_timed = t_reported = time.perf_counter()
+    t_reported = time.perf_counter()
+    done = 0
     for step in range(steps):
         if step == warmup:
-            _synchronize(device)
-            t_timed = time.perf_counter()
+            clock.start_timing()                             # the warm-up steps stay off the clock
         idx = order[step][rank * rows:(rank + 1) * rows]     # (B / world,)
         with SavedTensorMeter(model, mp.master.masters if mp.master else []) if step == 0 \
                 else contextlib.nullcontext() as meter:
@@ -214,29 +236,34 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
         skipped_t.append(result.skipped_t)
         done = step + 1
         if eval_every is not None and done % eval_every == 0 and done != steps:
-            _synchronize(device)                              # training work queued so far is training
-            t_pause = time.perf_counter()
+            clock.pause()                                     # evaluation is kept off the clock
             eval_steps.append(done)
             eval_metrics.append(_evaluate(workload, model, mp, data.x_test, data.y_test))
-            paused_s += time.perf_counter() - t_pause if done > warmup else 0.0
+            clock.resume()
         # Every progress_every steps, and at least every progress_s seconds: a GPU benchmark on a CPU
         # takes seconds per step, and ten of them before the first report looked like a hang.
         if on_progress is not None and (done % progress_every == 0 or done == steps
                                         or time.perf_counter() - t_reported >= progress_s):
             t_reported = time.perf_counter()
             loss_now = float(losses_t[-1])                    # syncs: the clock below is then honest
-            elapsed = time.perf_counter() - t_timed - paused_s
+            elapsed = clock.timed_s()
             timed = done - warmup
             rate = timed * workload.batch_size / elapsed if timed > 0 and elapsed > 0 else math.nan
             on_progress(TrainProgress(done, steps, loss_now, rate))
-    _synchronize(device)
-    train_s = time.perf_counter() - t_timed - paused_s
+        if chunk is not None and done % chunk == 0 and done != steps:
+            clock.pause()                                     # another run's turn: its steps are not ours
+            stop = yield
+            clock.resume()
+            if stop:
+                break                                         # Ctrl-C: report the steps taken
 
+    clock.pause()
+    train_s = clock.timed_s()
     test_metric = _evaluate(workload, model, mp, data.x_test, data.y_test)
-    eval_steps.append(steps)
+    eval_steps.append(done)
     eval_metrics.append(test_metric)
     if device.type == "cuda":
-        memory = dataclasses.replace(memory, peak=torch.cuda.max_memory_allocated(device))
+        memory = dataclasses.replace(memory, peak=clock.peak)
     losses_f32 = torch.stack(losses_t).float()
     if world > 1:   # each rank saw its slice: the global batch's loss is the mean over ranks
         dist.all_reduce(losses_f32)
@@ -244,17 +271,66 @@ def train(workload: Workload, recipe: str | Recipe, *, steps: int, device: torch
     losses = tuple(losses_f32.tolist())
     scales = tuple(torch.stack(scales_t).tolist())
     skipped_at = tuple(torch.nonzero(torch.stack(skipped_t)).flatten().tolist())
-    tail = losses[-max(1, round(steps * _FINAL_LOSS_FRACTION)):]
+    tail = losses[-max(1, round(done * _FINAL_LOSS_FRACTION)):]
     return RunResult(
         recipe=str(recipe), label=recipe.label,
         final_loss=math.fsum(tail) / len(tail),
         test_metric=test_metric,
-        samples_per_s=(steps - warmup) * workload.batch_size / train_s if train_s > 0 else math.nan,
+        samples_per_s=(done - warmup) * workload.batch_size / train_s if train_s > 0 else math.nan,
         skipped_steps=mp.skipped_steps, final_scale=mp.scale,
         losses=losses, scales=scales, skipped_at=skipped_at,
-        wall_s=time.perf_counter() - t_begin,
+        wall_s=clock.active_s,
         eval_steps=tuple(eval_steps), eval_metrics=tuple(eval_metrics), memory=memory,
     )
+
+
+class _RunClock:
+    """One run's own time and CUDA peak, while other runs may take turns between its chunks.
+
+    ``active_s``: seconds this run held the machine (build, train, evaluate; not while paused).
+    ``timed_s()``: its training seconds since ``start_timing`` (the end of the warm-up), evaluation and
+    other runs' turns left out. ``peak`` (CUDA): the allocator's peak during this run's turns, less what
+    the other runs held meanwhile (their tensors stay allocated, unchanged, while this run trains).
+    Every pause and resume synchronizes the device, so queued kernels are counted where they ran.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.active_s = 0.0
+        self._timed_s = 0.0
+        self._timing = False
+        self._running = False
+        self._own_bytes = 0          # CUDA: what this run holds, as of its last pause
+        self._others = 0             # CUDA: what the other runs hold during this turn
+        self.peak = 0
+        self.resume()
+
+    def start_timing(self) -> None:
+        _synchronize(self.device)
+        self._timing, self._t_timed = True, time.perf_counter()
+
+    def pause(self) -> None:
+        _synchronize(self.device)
+        now = time.perf_counter()
+        self._running = False
+        self.active_s += now - self._t_active
+        if self._timing:
+            self._timed_s += now - self._t_timed
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - self._others)
+            self._own_bytes = torch.cuda.memory_allocated(self.device) - self._others
+
+    def resume(self) -> None:
+        if self.device.type == "cuda":
+            _synchronize(self.device)
+            self._others = torch.cuda.memory_allocated(self.device) - self._own_bytes
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._running = True
+        self._t_active = self._t_timed = time.perf_counter()
+
+    def timed_s(self) -> float:
+        """Training seconds so far (the caller has synchronized where it matters)."""
+        return self._timed_s + (time.perf_counter() - self._t_timed if self._timing and self._running else 0.0)
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ...recipe import get_recipe
 from ..cli_args import (EXIT_FAILED, EXIT_INTERRUPTED, add_device_arg, add_workload_args, check_outputs, check_writable,
-                        recipe_words, torch_threads, usage_errors, write_json)
+                        interrupts_deferred, recipe_words, torch_threads, usage_errors, write_json)
 from ..console import stdout_console
 from ..trainer import TrainProgress
 from .render import failed, render_notes, render_table, short_names
@@ -86,18 +86,25 @@ def handle(args: argparse.Namespace) -> int:
     with threads:
         report = _run_with_progress(plan, Console(stderr=True))
 
-    write_json(report.to_json(), args.json, args.out, "report.json")
-    if args.out is not None:
-        _write_page(report, args.out / "report.html")
-    _print_table(report)
+    # Every recipe that will run has run: a Ctrl-C now waits until the report, page and table are whole.
+    with interrupts_deferred() as interrupts:
+        write_json(report.to_json(), args.json, args.out, "report.json")
+        if args.out is not None:
+            _write_page(report, args.out / "report.html")
+        _print_table(report)
     if report.partial:
-        print(f"mixprec: interrupted; kept the {len(report.runs)} recipe(s) that finished (report marked "
-              "partial)", file=sys.stderr)
+        print(f"mixprec: interrupted; kept the {len(report.runs)} recipe(s) that had taken steps, each at the "
+              "steps it took (report marked partial)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if interrupts.pressed:
+        # Not partial: every recipe finished before the Ctrl-C, and the files hold all of them.
+        print(f"mixprec: interrupted after all {len(report.runs)} recipe(s) finished; the report, table and "
+              "page are complete", file=sys.stderr)
         return EXIT_INTERRUPTED
     if report.runs and all(failed(report, r) for r in report.runs):
         # Nothing to compare: a script running compare must not read this as a result.
         print(f"mixprec: error: every recipe failed: all {report.steps} steps of each run were skipped for "
-              "inf/NaN gradients, so no run trained (see the notes above)", file=sys.stderr)
+              "an inf/NaN gradient norm, so no run trained (see the notes above)", file=sys.stderr)
         return EXIT_FAILED
     return 0
 
@@ -165,9 +172,10 @@ def _refuse_other_kinds(path: Path, text: str) -> None:
         raise ValueError(f"{path} is a doctor report ('mixprec report' renders compare reports): its "
                          f"page is {path.with_name('doctor.html')} when doctor ran with --out DIR; to "
                          "write it, run 'mixprec doctor ... --out DIR' again")
-    if kind == "inspect":
-        raise ValueError(f"{path} is an inspect report ('mixprec report' renders compare reports); "
-                         "'mixprec inspect' prints its tables, and the JSON is the data")
+    if kind in ("inspect", "trace"):
+        raise ValueError(f"{path} is {'an' if kind == 'inspect' else 'a'} {kind} report ('mixprec report' renders "
+                         f"compare reports): its page is {path.with_name(kind + '.html')} when {kind} ran with "
+                         f"--out DIR; to write it, run 'mixprec {kind} ... --out DIR' again")
 
 
 def _print_table(report: CompareReport) -> None:

@@ -29,6 +29,7 @@ from matplotlib.ticker import FuncFormatter, PercentFormatter
 from ...recipe import get_recipe
 from .render import BASELINE, failed, format_bytes, memory_figure, ratio_text, render_notes, render_table, short_names
 from .report import CompareReport
+from ..page import page_html
 from ..trainer import RunResult
 
 __all__ = ["render_html"]
@@ -39,6 +40,7 @@ _FULL, _HALF = 10.4, 5.1   # figure widths in inches: the page column, and half 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf")      # matplotlib's tab10 without red, which marks trouble (skips, non-finite losses)
 _TROUBLE = "#d62728"
+_MANY_RUNS = 5             # above this many recipes the plots change: averages only, bar charts full width
 # Recipes often train to the same curve: each one's line is thinner and differently dashed than the
 # one drawn before it, so coinciding lines stay visible as stripes instead of hiding each other.
 _DASHES = ("solid", (0, (5, 2)), (0, (1, 1.4)), (0, (6, 2, 1, 2)), (0, (3, 1, 1, 1, 1, 1)))
@@ -59,8 +61,8 @@ def render_html(report: CompareReport) -> str:
     # Runs that skipped every step never trained: their loss and metric are not results, so the loss
     # and metric plots leave them out (each run keeps its colour) and say so.
     hidden = frozenset(i for i, r in enumerate(report.runs) if failed(report, r))
-    left_out = (f" Left out: {', '.join(labels[i] for i in sorted(hidden))} (every step skipped for inf/NaN "
-                "gradients, so not results)." if hidden else "")
+    left_out = (f" Left out: {', '.join(labels[i] for i in sorted(hidden))} (every step skipped for an inf/NaN "
+                "gradient norm, so not results)." if hidden else "")
     none_trained = bool(report.runs) and len(hidden) == len(report.runs)    # captions without a plot to read
     figures = [
         _figure("plot-loss", _loss_plot(report.runs, labels, window, hidden),
@@ -87,46 +89,23 @@ def render_html(report: CompareReport) -> str:
             ("steps x batch", f"{report.steps} x {report.batch_size}"), ("seed", str(report.seed)),
             ("torch", report.torch_version), ("mixprec", report.mixprec_version),
             ("threads", str(report.threads))]
-    notes = "".join(f"<li>{escape(n)}</li>" for n in render_notes(report))
-    return "\n".join([
-        "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{escape(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>", "<main>",
-        f"<h1>{escape(title)}</h1>",
-        '<dl class="meta">' + "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
-                                      for k, v in meta) + "</dl>",
-        f'<ul class="notes">{notes}</ul>' if notes else "",
-        _table(report), figures[0], figures[1], figures[2],
-        f'<div class="pair">{figures[3]}{figures[4]}</div>',
-        "</main>", "</body>", "</html>", ""])
+    bars = (f'<div class="pair">{figures[3]}{figures[4]}</div>' if _bars_width(len(report.runs)) == _HALF
+            else figures[3] + figures[4])          # many recipes: each bar chart the page's width
+    parts = [_table(report), figures[0], figures[1], figures[2], bars]
+    return page_html(title, meta, parts, notes=render_notes(report))
 
 
 # ------------------------------------------------------------------------------------ the page
-_CSS = """
-body { margin: 0; background: #fff; color: #1a1a1a;
-       font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; }
-main { max-width: 1040px; margin: 0 auto; padding: 24px 20px 48px; }
-h1 { font-size: 22px; margin: 0 0 12px; }
-.meta { display: flex; flex-wrap: wrap; gap: 6px 22px; margin: 0 0 12px; }
-.meta div { display: flex; gap: 6px; } .meta dt { color: #666; } .meta dd { margin: 0; font-weight: 600; }
-.notes { margin: 0 0 16px; padding: 8px 12px 8px 28px; background: #fff8e1; border-left: 4px solid #f0b400;
-         font-size: 13.5px; color: #444; }
-table { border-collapse: collapse; margin: 0 0 24px; font-variant-numeric: tabular-nums; }
-caption { text-align: left; color: #666; font-size: 13.5px; padding-bottom: 4px; }
-th, td { padding: 4px 12px; border-bottom: 1px solid #e3e3e3; white-space: nowrap; }
-th { border-bottom: 2px solid #999; font-weight: 600; }
-.left { text-align: left; } .right { text-align: right; } .center { text-align: center; }
-figure { margin: 0 0 28px; } figure img { display: block; max-width: 100%; height: auto; }
-figcaption { font-size: 13.5px; color: #444; margin-top: 4px; }
-.empty { padding: 24px; background: #f6f6f6; color: #666; text-align: center; }
-.pair { display: flex; gap: 20px; } .pair figure { flex: 1 1 0; min-width: 0; }
-@media (max-width: 760px) { .pair { flex-direction: column; } }
-""".strip()
 
 
 def _loss_caption(report: CompareReport, window: int) -> str:
-    lines = (f"faint lines are each minibatch's loss, solid lines a centred {window}-step moving average"
-             if window > 1 else "lines are each minibatch's loss")
+    if window > 1 and _shows_raw(len(report.runs)):
+        lines = f"faint lines are each minibatch's loss, solid lines a centred {window}-step moving average"
+    elif window > 1:
+        lines = (f"lines are a centred {window}-step moving average (with more than {_MANY_RUNS} recipes each "
+                 "minibatch's own loss is left out: their faint lines would hide the averages)")
+    else:
+        lines = "lines are each minibatch's loss"
     if len(report.runs) > 1 and any(r.label == BASELINE for r in report.runs):
         lines += (f"; the lower panel is each recipe's loss minus {BASELINE}'s at the same step, smoothed "
                   "alike (same batches and initial weights, so the difference is the recipe's doing)")
@@ -207,6 +186,22 @@ def _line(i: int, n: int) -> dict:
             "linewidth": 1.4 + 1.6 * (n - 1 - i) / max(n - 1, 1)}
 
 
+def _shows_raw(n_runs: int) -> bool:
+    """Whether the loss plot draws each minibatch's loss beside the averages: up to _MANY_RUNS recipes."""
+    return n_runs <= _MANY_RUNS
+
+
+def _category_ticks(ax: Axes, labels: list[str]) -> None:
+    """One x tick per recipe, its name under it."""
+    ax.set_xticks(np.arange(len(labels)), [_text(s) for s in labels])
+
+
+def _bars_width(n_runs: int) -> float:
+    """A bar chart's width: half the page beside its neighbour, the whole page for more than _MANY_RUNS
+    recipes (seven names such as fp16-pure overlapped in half of it)."""
+    return _HALF if n_runs <= _MANY_RUNS else _FULL
+
+
 def _window(steps: int) -> int:
     """The moving average's width: about 2% of the run, odd so that it centres on a step."""
     return max(1, steps // 50) | 1
@@ -230,7 +225,7 @@ def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int,
     shown = [r for i, r in enumerate(runs) if i not in hidden]
     if not any(math.isfinite(v) for r in shown for v in r.losses):
         # An empty axis (matplotlib's 0.96..1.04) would look like a plot of something.
-        return ("no run trained: every step of every run was skipped for inf/NaN gradients, so there is no "
+        return ("no run trained: every step of every run was skipped for an inf/NaN gradient norm, so there is no "
                 "loss to plot" if not shown else "no finite loss to plot: every recorded loss is NaN or infinite")
     base = next((r for r in shown if r.label == BASELINE), None)
     others = [r for r in shown if r is not base and r.losses]
@@ -254,7 +249,8 @@ def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int,
             ax.plot([x[bad[0]]], [1.0], marker="v", markersize=9, color=_TROUBLE, clip_on=False,
                     transform=ax.get_xaxis_transform(), zorder=5)
             ax.axvline(x[bad[0]], color=_color(i), linestyle=":", linewidth=1.2)
-        ax.plot(x, np.where(finite, y, np.nan), color=_color(i), alpha=0.18, linewidth=0.8)
+        if _shows_raw(len(runs)) and window > 1:          # (a 1-step average is the raw loss itself)
+            ax.plot(x, np.where(finite, y, np.nan), color=_color(i), alpha=0.18, linewidth=0.8)
         ax.plot(x, _moving_average(y, window), label=_text(label), **_line(i, len(runs)))
         if diff_ax is not None and r is not base:
             # Same batches, same initial weights: the per-step difference is the recipe's doing.
@@ -265,7 +261,10 @@ def _loss_plot(runs: tuple[RunResult, ...], labels: list[str], window: int,
         ax.set_yscale("log")
     ax.set_ylabel("train loss")
     ax.margins(x=0.01)
-    ax.legend(loc="upper right", framealpha=0.9)
+    if _shows_raw(len(runs)):
+        ax.legend(loc="upper right", framealpha=0.9)
+    else:       # many recipes: a legend inside would cover the curves
+        fig.legend(loc="outside right upper", frameon=False, fontsize=8.5)
     if diff_ax is not None:
         diff_ax.axhline(0.0, color=_color(runs.index(base)), linewidth=1.0)
         diff_ax.set_ylabel(f"minus {BASELINE}'s")
@@ -277,7 +276,7 @@ def _eval_plot(report: CompareReport, labels: list[str], hidden: frozenset[int] 
     if not any(r.eval_steps for r in report.runs):
         return "no evaluations recorded"
     if len(hidden) == len(report.runs):
-        return (f"no run trained: every step of every run was skipped for inf/NaN gradients, so no test "
+        return (f"no run trained: every step of every run was skipped for an inf/NaN gradient norm, so no test "
                 f"{report.metric} is a result")
     fig, ax = _new_axes(_FULL, 3.6)
     for i, (r, label) in enumerate(zip(report.runs, labels)):
@@ -345,7 +344,7 @@ def _throughput_plot(report: CompareReport, labels: list[str], rate: str) -> Fig
         return "no runs in this report"
     per = report.tokens_per_sample or 1
     base = next((r for r in report.runs if r.label == BASELINE), None)
-    fig, ax = _new_axes(_HALF, 3.8)
+    fig, ax = _new_axes(_bars_width(len(report.runs)), 3.8)
     speeds = [r.samples_per_s * per if math.isfinite(r.samples_per_s) else 0.0 for r in report.runs]
     bars = ax.bar(range(len(speeds)), speeds, color=[_color(i) for i in range(len(speeds))], width=0.65)
     notes = []
@@ -355,7 +354,7 @@ def _throughput_plot(report: CompareReport, labels: list[str], rate: str) -> Fig
             text += f"\n{ratio_text(r.samples_per_s, base.samples_per_s)}"
         notes.append(text)
     ax.bar_label(bars, labels=notes, padding=3, fontsize=9)
-    ax.set_xticks(range(len(labels)), [_text(s) for s in labels])
+    _category_ticks(ax, labels)
     ax.set_ylabel(rate)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.margins(y=0.22)
@@ -366,7 +365,7 @@ def _throughput_plot(report: CompareReport, labels: list[str], rate: str) -> Fig
 def _memory_plot(runs: tuple[RunResult, ...], labels: list[str]) -> Figure | str:
     if not runs:
         return "no runs in this report"
-    fig, ax = _new_axes(_HALF, 3.8)
+    fig, ax = _new_axes(_bars_width(len(runs)), 3.8)
     x = np.arange(len(runs))
     bottom = np.zeros(len(runs))
     for role, name, color in _ROLES:
@@ -386,7 +385,7 @@ def _memory_plot(runs: tuple[RunResult, ...], labels: list[str]) -> Figure | str
         top = max(bottom[i], r.memory.peak or 0)
         ax.annotate(text, (i, top), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
                     fontsize=9)
-    ax.set_xticks(x, [_text(s) for s in labels])
+    _category_ticks(ax, labels)
     ax.set_ylabel("bytes")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
     ax.margins(y=0.22)

@@ -28,6 +28,7 @@ def render_table(report: CompareReport) -> Table:
     # No vertical rules and no edge padding: seven columns fit an 80-column log or pipe unwrapped.
     table = Table(title=f"{report.workload} on {report.device} ({report.device_name}): {report.steps} "
                         f"steps x batch {report.batch_size}, seed {report.seed}",
+                  caption=_speed_note(report) if report.runs else None, caption_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("recipe", no_wrap=True)
     table.add_column("loss", justify="right", no_wrap=True)
@@ -59,8 +60,9 @@ def render_table(report: CompareReport) -> Table:
 
 
 def failed(report: CompareReport, run: RunResult) -> bool:
-    """True when every step of ``run`` was skipped for inf/NaN gradients: the weights never moved."""
-    return report.steps > 0 and run.skipped_steps >= report.steps
+    """True when every step of ``run`` was skipped for an inf/NaN gradient norm: the weights never moved."""
+    steps = len(run.losses) or report.steps     # an interrupted run took fewer steps than planned
+    return steps > 0 and run.skipped_steps >= steps
 
 
 def memory_figure(run: RunResult) -> int:
@@ -86,12 +88,14 @@ def render_notes(report: CompareReport) -> list[str]:
     """One-line notes to print under the table: what each custom recipe is, and caveats."""
     names = short_names((r.recipe, r.label) for r in report.runs)
     notes = [f"{names[r.recipe]}: {r.recipe}" for r in report.runs if names[r.recipe] != r.label]
-    notes += [f"{names[r.recipe]} FAILED: all {report.steps} steps were skipped for inf/NaN gradients, so "
+    notes += [f"{names[r.recipe]} FAILED: all {report.steps} steps were skipped for an inf/NaN gradient norm, so "
               f"the weights never changed and its loss and {report.metric} are not results; "
               "'mixprec doctor' with this recipe, or MixedPrecision(..., trace_nonfinite=True), names the "
               "module and op where the first inf/NaN appeared" for r in report.runs if failed(report, r)]
     if report.partial:
-        notes.append(f"PARTIAL: interrupted; only the {len(report.runs)} recipe(s) above finished")
+        taken = sorted({len(r.losses) for r in report.runs})
+        notes.append(f"PARTIAL: interrupted after {'-'.join(str(t) for t in dict.fromkeys((taken[0], taken[-1])))} of "
+                     f"{report.steps} steps; each recipe above is reported at the steps it took")
     if report.synthetic:
         notes.append(f"note: {report.workload} trains on random data, for speed and memory; its "
                      f"{report.metric} only shows that the numbers stayed finite")
@@ -104,6 +108,17 @@ def render_notes(report: CompareReport) -> list[str]:
                      "first step taken (a skipped one has no optimizer state yet); speed and mem: "
                      "ratios to fp32")
     return notes
+
+
+def _speed_note(report: CompareReport) -> str:
+    """How the speed column was measured: side by side, or one recipe after another."""
+    if report.turn_steps:
+        return f"{_rate(report)}: measured in turns of {report.turn_steps} steps, all recipes alike"
+    return f"{_rate(report)}: measured one recipe after another"
+
+
+def _rate(report: CompareReport) -> str:
+    return "tokens/s" if report.tokens_per_sample else "samples/s"
 
 
 def short_names(recipes: Iterable[tuple[str, str]]) -> dict[str, str]:

@@ -12,6 +12,7 @@ trains it::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,12 +23,13 @@ from ...recipe import RECIPES, Recipe, get_recipe
 from ...recipe.core import DEFAULT_FP32_MODULES
 from .multiproc import check_parallel, train_on_ranks
 from .report import CompareReport
-from ..trainer import TrainProgress, check_recipe_patterns, check_seed, check_steps, resolve_run, train
+from ..trainer import TrainProgress, check_recipe_patterns, check_seed, check_steps, resolve_run, train_steps
 from ..workloads import Workload
 
-__all__ = ["DEFAULT_RECIPES", "ComparePlan", "plan_compare", "run_compare"]
+__all__ = ["DEFAULT_RECIPES", "ComparePlan", "plan_compare", "run_compare", "turn_steps"]
 
 DEFAULT_RECIPES = ("fp32", "fp16", "bf16", "fp16-pure")
+_TURNS = 20                # turns each recipe takes when recipes are interleaved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,26 +97,59 @@ def plan_compare(workload: str | Workload = "mlp", recipes: Sequence[str | Recip
                        workload_spec)
 
 
+def turn_steps(steps: int) -> int:
+    """Steps a recipe trains per turn when recipes take turns: a twentieth of the run (at least 1).
+
+    Twenty turns each: a slowdown that lasts a minute of a compare falls on every recipe, and a turn is
+    long enough that the switch (one device sync, a cold cache for the first step) stays small.
+    """
+    return max(1, steps // _TURNS)
+
+
 def run_compare(plan: ComparePlan,
                 on_progress: Callable[[int, TrainProgress], None] | None = None) -> CompareReport:
-    """Train ``plan``'s workload under each recipe in turn; ``on_progress(run_index, progress)``.
+    """Train ``plan``'s workload under each recipe, interleaved; ``on_progress(run_index, progress)``.
 
-    Ctrl-C after at least one recipe finished returns those runs in a report with ``partial=True``.
+    The recipes take turns of ``turn_steps(plan.steps)`` steps, each on its own model, optimizer and
+    engine (``trainer.train_steps``), so load from other work on the machine, or a GPU's clock changing
+    as it warms, slows every recipe alike and the speed ratios stay side by side. A run's clock stops
+    while the others train. Ctrl-C keeps every run that was paused between turns, each at the steps it
+    took, in a report with ``partial=True`` (the run that was training when it came is lost).
     """
     plan.workload.load_data()   # loaded (and cached) up front, so no run's wall_s includes it
-    runs = []
+    runs: list = []
+    turn = 0
     if plan.nproc > 1:
-        runs = train_on_ranks(plan, on_progress)     # rank 0's progress, relayed about once a second
+        runs = train_on_ranks(plan, on_progress)     # one recipe after another, rank 0's progress relayed
     partial = False
-    try:
-        for i, recipe in enumerate(plan.recipes if plan.nproc == 1 else ()):
+    if plan.nproc == 1:
+        turn = turn_steps(plan.steps)
+        live = {}
+        for i, recipe in enumerate(plan.recipes):
             callback = None if on_progress is None else (lambda p, i=i: on_progress(i, p))
-            runs.append(train(plan.workload, recipe, steps=plan.steps, device=plan.device, seed=plan.seed,
-                              on_progress=callback, eval_every=plan.eval_every))
-    except KeyboardInterrupt:
-        if not runs:
-            raise
-        partial = True      # Ctrl-C: keep the recipes that finished, in a report marked partial
+            live[i] = train_steps(plan.workload, recipe, steps=plan.steps, device=plan.device, seed=plan.seed,
+                                  on_progress=callback, eval_every=plan.eval_every, chunk=turn)
+        results = {}
+        try:
+            while live:
+                for i in list(live):
+                    try:
+                        next(live[i])                        # this recipe's next turn
+                    except StopIteration as done:
+                        results[i] = done.value
+                        del live[i]
+        except KeyboardInterrupt:
+            live.pop(i, None)          # interrupted mid-turn: its generator is closed
+            for j, run in live.items():
+                if inspect.getgeneratorstate(run) == inspect.GEN_SUSPENDED:   # not those yet to start
+                    try:
+                        run.send(True)                       # stop where it is and report its steps
+                    except StopIteration as done:
+                        results[j] = done.value
+            if not results:
+                raise
+            partial = True      # Ctrl-C: keep the runs that had taken steps, in a report marked partial
+        runs = [results[i] for i in sorted(results)]
     return CompareReport(
         workload=plan.workload.name, metric=plan.workload.metric_name,
         device=str(plan.device) + (f" x{plan.nproc} ({plan.parallel})" if plan.nproc > 1 else ""),
@@ -122,5 +157,6 @@ def run_compare(plan: ComparePlan,
         torch_version=torch.__version__, mixprec_version=__version__, steps=plan.steps,
         batch_size=plan.workload.batch_size, seed=plan.seed, runs=tuple(runs),
         tokens_per_sample=plan.workload.tokens_per_sample,
-        higher_is_better=plan.workload.higher_is_better, synthetic=plan.workload.synthetic, partial=partial)
+        higher_is_better=plan.workload.higher_is_better, synthetic=plan.workload.synthetic, partial=partial,
+        turn_steps=turn)
 

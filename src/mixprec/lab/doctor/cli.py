@@ -19,7 +19,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..cli_args import add_device_arg, check_outputs, torch_threads, usage_errors, write_json
+from ..cli_args import (EXIT_INTERRUPTED, add_device_arg, check_outputs, interrupts_deferred, torch_threads,
+                        usage_errors, write_json)
 from .run import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doctor
 from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .render import render_doctor_table, render_findings
@@ -83,7 +84,13 @@ def handle(args: argparse.Namespace) -> int:
         plan = _plan(args)
     with threads:
         report = _run_with_progress(plan)
-    return _write_and_print(args, report)
+    with interrupts_deferred() as interrupts:      # a Ctrl-C now waits for whole files and tables
+        status = _write_and_print(args, report)
+    if interrupts.pressed:
+        print("mixprec: interrupted after the run finished; the report, tables and page are complete",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return status
 
 
 def _plan(args: argparse.Namespace) -> DoctorPlan:

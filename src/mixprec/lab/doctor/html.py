@@ -26,7 +26,8 @@ from .render_fp8 import fp8_rows, fp8_swap_lines, render_fp8_findings, render_fp
 from .render_what_if import what_if_section
 from .render import _exp_of, percent_text, pow2_text, render_doctor_table, render_findings
 from .report import DoctorReport
-from ..compare.html import _CSS, _FULL, _figure, _new_figure, _style, _text
+from ..compare.html import _FULL, _figure, _new_figure, _style, _text
+from ..page import page_html, rich_table_html
 
 __all__ = ["render_doctor_html"]
 
@@ -62,8 +63,9 @@ def render_doctor_html(report: DoctorReport) -> str:
     overview = _figure("plot-gradients", _overview(grads, shift, k_shown),
                        "All gradients of the run (activation and weight gradients of every module, true "
                        "units): the share of nonzero values in each binade. Bars: as computed"
-                       + ("" if fp8 else "; green outline: multiplied by the recommended loss scale; purple "
-                                         "dashes: by the scale the run ended with") + ". " + bands)
+                       + ("; green outline: multiplied by the recommended loss scale" if shift is not None else "")
+                       + ("; purple dashes: by the scale the run ended with" if k_shown not in (None, shift) else "")
+                       + ". " + bands)
     layers = []
     for m in report.modules:
         w = report.module_window(m)
@@ -79,18 +81,10 @@ def render_doctor_html(report: DoctorReport) -> str:
         [("fp8", "fp8")] if fp8 else []) + ([("what-if", "what-if")] if report.what_if else []) + [
             ("plot-gradients", "all gradients"), ("per-layer", "per layer"), ("per-format", "per format")]
     top = ('<nav class="top">' + " ".join(f'<a href="#{i}">{escape(t)}</a>' for i, t in sections) + "</nav>")
-    return "\n".join([
-        "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{escape(title)}</title>", f"<style>{_CSS}\n{_EXTRA_CSS}</style>", "</head>", "<body>",
-        "<main>", f"<h1>{escape(title)}</h1>",
-        '<dl class="meta">' + "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
-                                      for k, v in meta) + "</dl>",
-        top, f'<ul class="notes" id="findings">{findings}</ul>', _layer_table(report), _fp8_section(report),
-        what_if_section(report),
-        overview, '<h2 id="per-layer">Per layer</h2>', index, *layers,
-        '<h2 id="per-format">Per layer and format</h2>', _format_table(report),
-        "</main>", "</body>", "</html>", ""])
+    parts = [top, f'<ul class="notes" id="findings">{findings}</ul>', _layer_table(report), _fp8_section(report),
+             what_if_section(report), overview, '<h2 id="per-layer">Per layer</h2>', index, *layers,
+             '<h2 id="per-format">Per layer and format</h2>', _format_table(report)]
+    return page_html(title, meta, parts, extra_css=_EXTRA_CSS)
 
 
 _EXTRA_CSS = """
@@ -117,7 +111,7 @@ def _fp8_section(report: DoctorReport) -> str:
                    "Per fp8 layer and tensor, the exact share of the values cast in training that fp8 flushed "
                    "to zero (red) and saturated at its max (amber), log axis; 0 where none did.")
     return ('<h2 id="fp8">fp8</h2>' + f"<p>{escape(first)}</p>" + (f'<ul class="notes">{notes}</ul>' if notes else "")
-            + _rich_table_html(render_fp8_table(report), caption) + plot)
+            + rich_table_html(render_fp8_table(report), caption) + plot)
 
 
 def _fp8_plot(report: DoctorReport) -> Figure | str:
@@ -146,18 +140,7 @@ def _layer_table(report: DoctorReport) -> str:
     caption = ("grad&lt;2^-24: nonzero gradients below fp16's smallest "
                "subnormal with no loss scale, then at the run's scale; act ovf: activations beyond "
                "fp16's max; lost: nonzero updates that round away on fp16/bf16 weights; worst first.")
-    return _rich_table_html(render_doctor_table(report), caption).replace("<table>", '<table id="layer-table">', 1)
-
-
-def _rich_table_html(table: Table, caption: str) -> str:
-    """A rich Table's title, headers and cells as an HTML table; ``caption`` is HTML, added after the title."""
-    cols = table.columns
-    head = "".join(f'<th class="{c.justify}">{escape(str(c.header))}</th>' for c in cols)
-    cells = [list(c.cells) for c in cols]
-    rows = "".join("<tr>" + "".join(f'<td class="{c.justify}">{escape(str(cells[j][i]))}</td>'
-                                    for j, c in enumerate(cols)) + "</tr>" for i in range(table.row_count))
-    return (f"<table><caption>{escape(str(table.title))}. {caption}</caption><thead><tr>{head}</tr></thead><tbody>{rows}</tbody>"
-            "</table>")
+    return rich_table_html(render_doctor_table(report), caption, table_id="layer-table")
 
 
 def _format_table(report: DoctorReport) -> str:

@@ -9,7 +9,7 @@ JSON schema, version 1 (one object; strict JSON: non-finite floats are the strin
     steps, batch_size, seed   int     training steps run (statistics cover every one of them)
     losses           [float]  train loss at every step
     scales           [float]  loss scale after every step (1.0 without loss scaling)
-    skipped_steps    int      steps skipped for inf/NaN gradients
+    skipped_steps    int      steps skipped for an inf/NaN gradient norm (docs/step.md)
     scaled           bool     whether the recipe scales the loss (false: flushed gradients are zeros)
     small_fraction   float    the scale window's "small gradients": all but this fraction must clear 2**-24
     margin           float    headroom kept between the largest gradient and fp16's max

@@ -1,6 +1,7 @@
 """``mixprec inspect``: its parser and handler (``lab/cli.py`` registers them).
 
     mixprec inspect --benchmark gpt2 --json gpt2.json       # memory per recipe, tensor-core fit; no training
+    mixprec inspect --workload gpt --out runs/inspect       # runs/inspect/inspect.json and inspect.html
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli_args import add_device_arg, add_workload_args, check_writable, recipe_words, usage_errors
+from ..cli_args import (EXIT_INTERRUPTED, add_device_arg, add_workload_args, check_outputs, interrupts_deferred, recipe_words,
+                        usage_errors, write_json)
 from ..console import stdout_console
 from ..compare.run import DEFAULT_RECIPES
 from .render import render_matmul_table, render_memory_table, render_notes
@@ -35,6 +37,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                          help="batch to trace (default: the workload's); try one that is a multiple of 8")
     inspect.add_argument("--json", metavar="PATH", type=Path, default=None,
                          help="also write the report as JSON to PATH (schema: mixprec.lab.inspect.report)")
+    inspect.add_argument("--out", metavar="DIR", type=Path, default=None,
+                         help="write DIR/inspect.json and DIR/inspect.html (a self-contained page: memory by "
+                              "role per recipe, the matmul table and the padding fixes); DIR is created if "
+                              "missing")
     inspect.set_defaults(handler=handle)
     return inspect
 
@@ -44,15 +50,18 @@ def handle(args: argparse.Namespace) -> int:
     with usage_errors():
         plan = plan_inspect(args.benchmark or args.workload, recipe_words(args.recipes, DEFAULT_RECIPES),
                             device=args.device, batch_size=args.batch_size)
-        if args.json is not None:
-            check_writable(args.json, "--json")
+        check_outputs(args.json, args.out, ("inspect.json", "inspect.html"))
         report = run_inspect(plan)    # traces; a model that cannot be traced is a ValueError saying so
-    if args.json is not None:
-        args.json.write_text(report.to_json() + "\n")
-        print(f"report written to {args.json}", file=sys.stderr)
-    out = stdout_console()      # full values in a pipe (lab/console.py)
-    out.print(render_memory_table(report))
-    out.print(render_matmul_table(report))
-    for line in render_notes(report):
-        out.print(line, soft_wrap=True)
-    return 0
+    with interrupts_deferred() as interrupts:     # the files and tables are written whole, then a Ctrl-C stops
+        write_json(report.to_json(), args.json, args.out, "inspect.json")
+        if args.out is not None:
+            from .html import render_inspect_html    # matplotlib: only when a page is asked for
+            path = args.out / "inspect.html"
+            path.write_bytes(render_inspect_html(report).encode("utf-8"))
+            print(f"HTML page written to {path}", file=sys.stderr)
+        out = stdout_console()      # full values in a pipe (lab/console.py)
+        out.print(render_memory_table(report))
+        out.print(render_matmul_table(report))
+        for line in render_notes(report):
+            out.print(line, soft_wrap=True)
+    return EXIT_INTERRUPTED if interrupts.pressed else 0

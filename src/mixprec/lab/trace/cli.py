@@ -2,8 +2,10 @@
 
     mixprec trace --workload gpt --recipe bf16,fp32_ops=layer_norm,modules=lm_head:fp32
     mixprec trace --workload cnn --recipe fp16-pure --json trace.json
+    mixprec trace --workload gpt --out runs/trace     # runs/trace/trace.json and trace.html
 
-The table goes to stdout, the report (``TraceReport.to_json``) to ``--json``.
+The table goes to stdout, the report (``TraceReport.to_json``) to ``--json`` or ``--out DIR`` (with its
+HTML page, ``trace/html.py``, beside it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli_args import add_device_arg, add_workload_args, check_writable, usage_errors
+from ..cli_args import (EXIT_INTERRUPTED, add_device_arg, add_workload_args, check_outputs, interrupts_deferred,
+                        usage_errors, write_json)
 from ..console import stdout_console
 from .render import render_trace
 from .run import plan_trace, run_trace
@@ -37,6 +40,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     trace.add_argument("--seed", type=int, default=0, help="fixes the initial weights (default: 0)")
     trace.add_argument("--json", metavar="PATH", type=Path, default=None,
                        help="also write the trace as JSON to PATH")
+    trace.add_argument("--out", metavar="DIR", type=Path, default=None,
+                       help="write DIR/trace.json and DIR/trace.html (a self-contained page with the per-module "
+                            "dtype table); DIR is created if missing")
     trace.set_defaults(handler=handle)
     return trace
 
@@ -48,14 +54,17 @@ def handle(args: argparse.Namespace) -> int:
             raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
         plan = plan_trace(args.benchmark or args.workload, args.recipe, device=args.device,
                           batch_size=args.batch_size, seed=args.seed)
-        if args.json is not None:
-            check_writable(args.json, "--json")
+        check_outputs(args.json, args.out, ("trace.json", "trace.html"))
     report = run_trace(plan)
-    if args.json is not None:
-        args.json.write_text(report.to_json() + "\n")
-        print(f"trace written to {args.json}", file=sys.stderr)
-    out = stdout_console()
-    if not out.is_terminal:
-        out.width = max(out.width, 112)   # piped: room for aten names such as native_layer_norm_backward
-    out.print(render_trace(report, plan.recipe))
-    return 0
+    with interrupts_deferred() as interrupts:     # the files and the table are written whole, then a Ctrl-C stops
+        write_json(report.to_json(), args.json, args.out, "trace.json")
+        if args.out is not None:
+            from .html import render_trace_html
+            path = args.out / "trace.html"
+            path.write_bytes(render_trace_html(report).encode("utf-8"))
+            print(f"HTML page written to {path}", file=sys.stderr)
+        out = stdout_console()
+        if not out.is_terminal:
+            out.width = max(out.width, 112)   # piped: room for aten names such as native_layer_norm_backward
+        out.print(render_trace(report, plan.recipe))
+    return EXIT_INTERRUPTED if interrupts.pressed else 0
