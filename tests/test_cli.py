@@ -541,3 +541,11 @@ def test_mixprecs_own_error_while_a_workload_runs_is_its_message_without_the_rai
     except RuntimeError as e:
         line = describe_failure(e, "mine:tiny")
     assert "module Linear" in line and "F.linear" in line, line
+
+
+def test_comparing_one_recipe_named_twice_is_refused():
+    from mixprec.lab.compare.run import unique_recipes
+    with pytest.raises(ValueError, match=r"are one recipe, .* named 2 times: name different ones, e.g. fp32 bf16"):
+        unique_recipes(["fp32", "fp32"], "compare")
+    assert len(unique_recipes(["fp32", "bf16", "fp32"], "compare")) == 2      # repeats among others: run once
+    assert len(unique_recipes(["bf16"], "compare")) == 1

@@ -439,3 +439,12 @@ def test_delayed_fp8_with_a_per_layer_scale_is_refused_with_the_reason():
         parse_recipe("fp8,fp8=delayed(history=4),scale=per-layer(growth_interval=50)")
     assert parse_recipe("fp8,scale=per-layer").fp8.scaling.value == "current"
     assert parse_recipe("fp8-delayed,scale=dynamic").fp8.delayed
+
+
+def test_master_lists_the_values_it_takes():
+    # Issue 33: the message listed every precision (fp32, tf32, fp16, bf16); master takes fp32 or none.
+    with pytest.raises(ValueError, match=r"unknown master 'fp16'; valid values: fp32, none$"):
+        parse_recipe("params=bf16,compute=bf16,master=fp16")
+    with pytest.raises(ValueError, match=r"unknown master 'tf32'; valid values: fp32, none$"):
+        parse_recipe("params=bf16,compute=bf16,master=tf32")
+    assert parse_recipe("bf16-pure,master=None").master is None     # words are case-insensitive

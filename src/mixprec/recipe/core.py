@@ -343,8 +343,7 @@ def parse_recipe(text: str) -> Recipe:
         return _edit_named(base, fields)
     param = Precision.parse(fields.get("params", "fp32"), key="params")
     compute = Precision.parse(fields.get("compute", param.value), key="compute")
-    master_word = fields.get("master", "none")
-    master = None if master_word == "none" else Precision.parse(master_word, key="master")
+    master = _parse_master(fields.get("master", "none"))
     scale = LossScaleConfig.parse(fields["scale"]) if "scale" in fields else None   # None: the default
     try:
         rounding = Rounding(fields.get("rounding", "nearest"))
@@ -390,6 +389,15 @@ def _op_list_fields(fields: dict[str, str]) -> dict:
             rules.append((pattern.strip(), Precision.parse(precision, key=f"precision for {pattern}")))
         out["modules"] = tuple(rules)
     return out
+
+
+def _parse_master(word: str) -> Precision | None:
+    """``master=fp32`` or ``master=none``: the two a recipe takes (not every precision's name)."""
+    if word.strip().lower() == "none":
+        return None
+    if word.strip().lower() == "fp32":
+        return Precision.FP32
+    raise ValueError(f"unknown master {word!r}; valid values: fp32, none")
 
 
 def _edit_named(base: Recipe, fields: dict[str, str]) -> Recipe:
