@@ -180,6 +180,7 @@ class MasterWeights:
         if versions == self._versions:
             return
         changed = [i for i, (a, b) in enumerate(zip(versions, self._versions)) if a != b]
+        moved = not self.keep     # kahan cannot tell an unchanged value from a new one: always said
         with torch.no_grad():
             for i in changed:
                 p = self.model_params[i]
@@ -187,12 +188,14 @@ class MasterWeights:
                     m = self.masters[i].data
                     # The user's value wherever it is not the master's rounding: bitwise (NaN != NaN:
                     # a NaN weight is taken too), so -0.0 over a master that rounds to +0.0 counts.
-                    moved = p.view(_BITS[p.dtype]) != m.to(p.dtype).view(_BITS[p.dtype])
-                    m.copy_(torch.where(moved, p.float(), m))
+                    differs = p.view(_BITS[p.dtype]) != m.to(p.dtype).view(_BITS[p.dtype])
+                    m.copy_(torch.where(differs, p.float(), m))
+                    # Whether to say so: a write of the same values (a broadcast) changes nothing.
+                    moved = moved or (not self._noted and bool(differs.any()))   # a sync, on a change only
                 elif self.kahan is not None:
                     self.kahan.reset_(i)
         self._versions = versions
-        if not self._noted and (self.keep or self.kahan is not None):
+        if not self._noted and moved and (self.keep or self.kahan is not None):
             self._noted = True
             what = ("its fp32 master took the new values" if self.keep
                     else "its Kahan compensations were reset (the fp32 value is the new bf16 weight)")
