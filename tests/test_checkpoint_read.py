@@ -141,3 +141,12 @@ def test_ckpt_show_refuses_a_bad_file_in_one_line(tmp_path):
     proc = _cli("ckpt", "show", str(bad))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"mixprec: error: {bad}: not a mixprec checkpoint (no mixprec header)"]
+
+
+def test_a_kahan_checkpoint_names_its_compensations_not_fp32_masters(tmp_path):
+    # Issue 33: bf16-kahan's int16 compensations were listed as "fp32 master weights".
+    model = tiny_model()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-kahan")
+    text = read_checkpoint(save_checkpoint(tmp_path / "k.pt", mp)).summary()
+    assert "Kahan compensations (int16)" in text and "fp32 master" not in text
+

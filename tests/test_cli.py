@@ -626,3 +626,11 @@ def test_compare_interleaves_recipes_so_load_from_other_work_hits_all_alike():
     # Each run's own losses are unchanged by the turns: the same as training it alone.
     alone = train(mlp, "fp32", steps=40, eval_every=40)
     assert report.runs[0].losses == alone.losses and report.runs[0].test_metric == alone.test_metric
+
+
+def test_comparing_one_recipe_named_twice_is_refused():
+    from mixprec.lab.compare.run import unique_recipes
+    with pytest.raises(ValueError, match=r"are one recipe, .* named 2 times: name different ones, e.g. fp32 bf16"):
+        unique_recipes(["fp32", "fp32"], "compare")
+    assert len(unique_recipes(["fp32", "bf16", "fp32"], "compare")) == 2      # repeats among others: run once
+    assert len(unique_recipes(["bf16"], "compare")) == 1

@@ -276,6 +276,9 @@ def test_bad_options_say_what_to_fix():
         WhatIfOptions(floor_db=math.nan)
     with pytest.raises(ValueError, match="--what-if-rows must be an integer >= 128"):
         WhatIfOptions(max_rows=100)
+    with pytest.raises(ValueError, match=r"--what-if-floor must be a finite number of dB >= 0.*got -5"):
+        WhatIfOptions(floor_db=-5)      # issue 33: accepted, every format passed
+    assert WhatIfOptions(floor_db=0).floor_db == 0
     with pytest.raises(ValueError, match="x \\(M, K\\), w \\(N, K\\) and g \\(M, N\\)"):
         layer_what_if(torch.zeros(4, 3), torch.zeros(2, 4), torch.zeros(4, 2))
     with pytest.raises(TypeError, match="WhatIfOptions"):

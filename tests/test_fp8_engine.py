@@ -1,6 +1,7 @@
 """fp8 recipes in the engine: which layers are swapped and why, errors that name the layer, the emulation
 notice, scale state in state_dict, per-layer underflow/saturation, and the lab accepting the recipes."""
 
+import copy
 import math
 import warnings
 
@@ -280,3 +281,44 @@ def test_a_tied_weight_counts_as_its_linear():
     model = Tied()
     report = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8").fp8_report
     assert report.swapped == ("head",) and report.uncovered == () and report.fp8_fraction == 1.0
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-delayed", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"])
+def test_an_empty_batch_trains_as_bf16_does_and_leaves_the_scale_state_alone(recipe):
+    # Issue 33: 0 rows raised from inside torch (the inf-norm or amax() of an empty tensor, a stride
+    # check in torch._scaled_mm). Now: zero gradients, the step taken, no scale state made from it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Fp8EmulationWarning)
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)
+
+    def train(rows):
+        with mp.autocast():
+            loss = model(torch.randn(rows, 64)).float().pow(2).sum()
+        mp.backward(loss)
+        grads = [p.grad.clone() for p in model.parameters()]
+        result = mp.step()
+        mp.zero_grad()
+        return grads, result
+
+    train(8)
+    before = copy.deepcopy(mp.state_dict()["fp8"])
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads, result = train(0)
+    assert not result.skipped and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))    # SGD, zero grads
+    after = mp.state_dict()["fp8"]
+    assert _same(before, after)
+    grads, result = train(8)                                            # and training goes on
+    assert all(torch.isfinite(g).all() for g in grads) and not result.skipped
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b

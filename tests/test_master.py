@@ -2,6 +2,7 @@
 rounds a chunk in a few passes (not per tensor), and a skipped step leaves its noise where it was."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -281,3 +282,119 @@ def test_bad_seed_and_old_rounding_state_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="older mixprec"):
         mp.master.load_state_dict(old)
     mp.master.load_state_dict(state)
+
+
+# ----------------------------------------------------- a change the user makes is the truth (issue 33)
+def _one_step(mp, seed=9):
+    x, y = batches(1, seed=seed)[0]
+    with mp.autocast():
+        loss = torch.nn.functional.cross_entropy(mp.model(x), y)
+    mp.backward(loss)
+    result = mp.step()
+    mp.zero_grad()
+    return result
+
+
+def _fp32_of(mp) -> list[torch.Tensor]:
+    return mp.master.kahan.fp32_weights() if mp.master.kahan is not None else [m.detach() for m in mp.master.masters]
+
+
+@pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure", "bf16-kahan"])
+@pytest.mark.parametrize("how", ["load_state_dict", "no_grad_edit", "reinit"])
+def test_a_weight_the_user_changes_after_the_engine_is_taken_as_the_truth(recipe, how):
+    # Before issue 33 the next step rounded the old fp32 masters back over the user's values (pure),
+    # or joined the new bf16 weight with the old compensation (kahan).
+    model = tiny_model(seed=0)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), recipe)   # lr 0: no update
+    _one_step(mp)
+    weight = model[0].weight
+    new = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)).to(weight.dtype)
+    if how == "load_state_dict":
+        sd = model.state_dict()
+        sd["0.weight"] = new
+        model.load_state_dict(sd)
+    elif how == "no_grad_edit":
+        with torch.no_grad():
+            weight.copy_(new)
+    else:
+        torch.manual_seed(7)
+        model[0].reset_parameters()          # init writes in place under no_grad: the counter moves
+        new = weight.detach().clone()
+    with pytest.warns(UserWarning, match="changed since the engine last wrote"):
+        _one_step(mp)
+    assert torch.equal(weight.detach(), new)                   # not undone by the step (lr 0)
+    assert torch.equal(_fp32_of(mp)[0], new.float())           # the fp32 value is the user's, exactly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # said once per engine
+        with torch.no_grad():
+            weight.mul_(2)
+        _one_step(mp)
+    assert torch.equal(weight.detach(), (new.float() * 2).to(weight.dtype))
+
+
+@pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure"])
+def test_a_weight_swapped_out_and_back_keeps_its_fp32_master_bits(recipe):
+    # EMA swap: weights swapped in for evaluation, then the training weights back: where the weight is
+    # again the master's rounding the master keeps its fp32 bits; nothing else moves.
+    model = tiny_model(seed=0)
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
+    for seed in range(3):
+        _one_step(mp, seed)
+    before = [m.detach().clone() for m in mp.master.masters]
+    saved = [p.detach().clone() for p in mp.master.model_params]
+    with torch.no_grad():
+        for p in mp.master.model_params:
+            p.mul_(0.5)                        # "EMA" weights in
+        for p, s in zip(mp.master.model_params, saved):
+            p.copy_(s)                         # training weights back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")         # nothing moved in the end: no note
+        state = mp.state_dict()                # reading the state adopts changes too
+    assert all(torch.equal(a, b) for a, b in zip(before, state["master"]["masters"]))
+    assert any((m != m.to(p.dtype).float()).any() for m, p in zip(before, saved))   # bits a 16-bit copy lacks
+
+
+@pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure", "bf16-kahan"])
+def test_load_model_state_dict_loads_fp32_weights_at_fp32_precision(recipe):
+    source = tiny_model(seed=3)
+    with torch.no_grad():
+        source[0].weight.add_(1e-4)           # bits below a 16-bit ulp
+    sd = source.state_dict()
+    model = tiny_model(seed=0)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # no note: the engine loaded them itself
+        mp.load_model_state_dict(sd)
+        _one_step(mp)
+    fp32 = mp.fp32_state_dict()
+    assert all(torch.equal(fp32[k], v) for k, v in sd.items())
+    low = model[0].weight
+    rounding = sd["0.weight"].to(low.dtype)
+    if recipe == "bf16-kahan":                 # ties away from zero, not to even (kahan.py)
+        assert (low.float() - sd["0.weight"]).abs().le(low.float().abs() * 2**-8).all()
+    else:
+        assert torch.equal(low.detach(), rounding)
+    # model.load_state_dict instead: the masters start from the 16-bit rounding (the documented cost).
+    model2 = tiny_model(seed=0)
+    mp2 = MixedPrecision(model2, torch.optim.SGD(model2.parameters(), lr=0.0), recipe)
+    model2.load_state_dict(sd)
+    with pytest.warns(UserWarning, match="load_model_state_dict"):
+        _one_step(mp2)
+    assert not torch.equal(mp2.fp32_state_dict()["0.weight"], sd["0.weight"])
+
+
+def test_a_checkpoint_load_is_not_taken_for_a_user_change(tmp_path):
+    from mixprec import load_checkpoint, save_checkpoint
+    model = tiny_model(seed=0)
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "fp16-pure")
+    for seed in range(3):
+        _one_step(mp, seed)
+    path = save_checkpoint(tmp_path / "ck.pt", mp)
+    model2 = tiny_model(seed=1)
+    mp2 = MixedPrecision(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2), "fp16-pure")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_checkpoint(path, mp2)             # the model first, then its masters: no user change
+        _one_step(mp2)
+    _one_step(mp)
+    assert all(torch.equal(a, b) for a, b in zip(mp.master.masters, mp2.master.masters))

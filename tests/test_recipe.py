@@ -428,3 +428,23 @@ def test_fuzzed_recipe_strings_parse_and_round_trip_or_raise_a_clear_error(text)
     from mixprec.loss_scale import make_loss_scale
     value = float(make_loss_scale(recipe.loss_scale, "cpu").value)
     assert 2.0**-24 <= value < float("inf"), (text, value)
+
+
+def test_delayed_fp8_with_a_per_layer_scale_is_refused_with_the_reason():
+    # Issue 33: accepted, it trained on saturated e5m2 gradients (the amax history predates the
+    # layer's factor). Current scaling sees each factor and composes.
+    with pytest.raises(ValueError, match=r"fp8=delayed\(\.\.\.\) and scale=per-layer do not compose.*fp8=current"):
+        parse_recipe("fp8-delayed,scale=per-layer")
+    with pytest.raises(ValueError, match="do not compose"):
+        parse_recipe("fp8,fp8=delayed(history=4),scale=per-layer(growth_interval=50)")
+    assert parse_recipe("fp8,scale=per-layer").fp8.scaling.value == "current"
+    assert parse_recipe("fp8-delayed,scale=dynamic").fp8.delayed
+
+
+def test_master_lists_the_values_it_takes():
+    # Issue 33: the message listed every precision (fp32, tf32, fp16, bf16); master takes fp32 or none.
+    with pytest.raises(ValueError, match=r"unknown master 'fp16'; valid values: fp32, none$"):
+        parse_recipe("params=bf16,compute=bf16,master=fp16")
+    with pytest.raises(ValueError, match=r"unknown master 'tf32'; valid values: fp32, none$"):
+        parse_recipe("params=bf16,compute=bf16,master=tf32")
+    assert parse_recipe("bf16-pure,master=None").master is None     # words are case-insensitive

@@ -266,6 +266,22 @@ def test_casting_a_pure_model_is_refused_on_entering_autocast_before_the_forward
     assert torch.backends.cuda.matmul.fp32_precision == tf32 and not mp._checks.entered_autocast
 
 
+@pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure", "bf16-sr", "bf16-kahan"])
+@pytest.mark.parametrize("cast", ["half", "bfloat16"])
+def test_a_cast_that_leaves_the_first_weight_alone_is_refused_by_what_the_recipe_kept_fp32(recipe, cast):
+    # Issue 33: the guard looked at the first parameter only, already 16-bit under these recipes, so
+    # model.half() / model.bfloat16() ended in torch's "mixed dtype" error inside LayerNorm.
+    mp = engine(recipe)
+    low = mp.model[0].weight.dtype
+    getattr(mp.model, cast)()
+    if mp.model[0].weight.dtype != low:
+        return          # the first weight changed too: the test above covers that
+    with pytest.raises(RuntimeError, match=r"changed dtype after MixedPrecision was built \('1.weight' was "
+                                           r"float32, now \w+\): was model.half\(\)"):
+        with mp.autocast():
+            raise AssertionError("the forward must not run")
+
+
 def test_trace_nonfinite_takes_a_bool_only():
     with pytest.raises(TypeError, match="trace_nonfinite must be True or False, got 'no'"):
         engine("fp16", trace_nonfinite="no")

@@ -29,6 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checkpoint_values import (check_compact_moments, check_fp8_values, check_kahan_pairs,
+                                check_moment_values, check_scale_limits)
+
 __all__ = ["check_fits", "check_engine_state", "TOP_KEYS"]
 
 TOP_KEYS = ("model", "optimizer", "mixprec", "scheduler", "rng", "extra")
@@ -48,6 +51,11 @@ def check_fits(state: Any, engine: Any, scheduler: Any, *, ignore_scheduler: boo
     _check_tensors("model", state["model"], engine.model.state_dict(),
                    "build the model as it was when the checkpoint was saved")
     check_engine_state(engine, state["mixprec"])
+    kahan = getattr(engine.master, "kahan", None)
+    if kahan is not None:    # the compensations belong to the checkpoint's own weights
+        key_of = {id(p): k for k, p in engine.model.state_dict(keep_vars=True).items()}
+        check_kahan_pairs(kahan, state["mixprec"]["master"].get("compensation"),
+                          [state["model"][key_of[id(p)]] for p in kahan.params])
     _check_optimizer(state, engine.optimizer, _shapes_by_param(engine))
     _check_scheduler(state, scheduler, ignore_scheduler)
     if state["rng"] is not None:
@@ -64,8 +72,11 @@ def check_engine_state(engine: Any, state: Any) -> None:
     _check_tensors("loss scale", state.get("loss_scale"), own_scale,
                    "it was saved by a different kind of loss scale")
     _check_scale_values(state["loss_scale"], own_scale)
+    check_scale_limits(engine.loss_scale, state["loss_scale"])     # inside [floor, ceiling], counts in range
     if engine.master is not None:
         _check_master(engine.master, state.get("master"))
+    if engine.moments is not None:
+        check_compact_moments(engine.moments, state.get("moments"))
     if engine.fp8_report is not None:
         from .fp8.state import fp8_state_dict   # the fp8 package is loaded already when fp8 is on
         own = fp8_state_dict(engine.model)
@@ -77,6 +88,7 @@ def check_engine_state(engine: Any, state: Any) -> None:
         for name, layer_state in own.items():
             _check_tensors(f"fp8 layer {name!r}", saved[name], layer_state,
                            "was it saved under another fp8 recipe (history length, scaling)?")
+            check_fp8_values(name, saved[name])
 
 
 def _check_recipe(engine: Any, state: Any) -> None:
@@ -308,6 +320,7 @@ def _check_param_state(kind: str, index: int, entry: dict, kept: dict[str, Any] 
             if value.shape != shape:
                 raise ValueError(f"{where} has shape {tuple(value.shape)}, the parameter "
                                  f"{tuple(shape)}: was it saved from a different model?")
+            check_moment_values(where, key, value)
 
 
 def _describe(value: Any) -> str:

@@ -80,6 +80,8 @@ class CheckpointInfo:
                  f"  optimizer   {self.optimizer_type or 'unknown'}"
                  + (f", scheduler {self.scheduler_type}" if self.scheduler_type else "")]
         words = dict(_ROLES)
+        if "rounding=kahan" in self.recipe:     # bf16-kahan keeps no master: the low 16 bits of each value
+            words["master"] = "Kahan compensations (int16)"
         for g in self.groups:
             if g.tensors:
                 dtypes = ", ".join(f"{n} {d}" for d, n in sorted(g.dtypes.items()))

@@ -460,6 +460,24 @@ class MixedPrecision:
         other float upcast (exact). Under pure recipes ``model.state_dict()`` is 16-bit. See ``export``."""
         return fp32_state_dict(self)
 
+    def load_model_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Load model weights (e.g. fp32 pretrained ones) at fp32 precision; returns torch's result.
+
+        ``model.load_state_dict`` works under every recipe (the engine takes a changed weight as the
+        truth at the next step: ``MasterWeights.adopt_model_changes``), but under a pure recipe it
+        rounds the values into the 16-bit weights first, so the masters start from the rounding. This
+        loads through the model (torch checks the keys and shapes), then puts each fp32 value into the
+        weight's master (under bf16-kahan: weight and compensation, the exact fp32 value), the 16-bit
+        weight its rounding. Without fp32 copies it is ``model.load_state_dict``.
+        """
+        result = self.model.load_state_dict(state_dict, strict=strict)
+        if self.master is not None:
+            position = {id(p): i for i, p in enumerate(self.master.model_params)}
+            for key, param in self.model.state_dict(keep_vars=True).items():
+                if id(param) in position and key in state_dict:
+                    self.master.load_fp32_(position[id(param)], state_dict[key])
+        return result
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output; a misfit is a ValueError and changes nothing."""
         check_engine_state(self, state)     # recipe, loss scale, masters, fp8: all checked first

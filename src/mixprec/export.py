@@ -28,6 +28,8 @@ def fp32_state_dict(engine: MixedPrecision) -> dict[str, torch.Tensor]:
     """The engine's model's ``state_dict`` in fp32, master copies in place of 16-bit weights (under
     bf16-kahan each weight joined with its compensation: the exact fp32 value the optimizer stepped)."""
     masters: dict[int, torch.Tensor] = {}
+    if engine.master is not None:
+        engine.master.adopt_model_changes()     # a weight the user changed is the truth
     if engine.master is not None and engine.master.keep:
         masters = {id(p): m.detach() for p, m in zip(engine.master.model_params, engine.master.masters)}
     elif (kahan := getattr(engine.master, "kahan", None)) is not None:    # bf16-kahan: weight + compensation

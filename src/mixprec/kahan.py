@@ -34,12 +34,16 @@ half an ulp" and "rounded up by half an ulp" (65537 errors in all). So where ``x
 halfway between two bf16 values (its low half is 0x8000), ``bf16-kahan``'s weight is one bf16 ulp
 from ``bf16-pure``'s; the optimizer's fp32 values are the same bits.
 
-A weight changed outside the step (``model.load_state_dict``, an in-place edit under ``no_grad``)
-keeps its compensation: its fp32 value is the new weight plus at most half an ulp. Joined with the
-old compensation, a weight set to zero (or inf) could turn into a NaN pattern (``0 - 1`` in the
-bits is 0xFFFFFFFF), so a parameter whose ``_version`` moved since the step that wrote it has those
-compensations dropped first: one check per tensor, a pass only over a changed one. Writes through
-``param.data`` bypass the version counter: write weights through the parameter.
+A weight changed outside the step (``model.load_state_dict``, an in-place edit under ``no_grad``, a
+re-initialised layer) is the truth: its fp32 value is the new weight, so its compensations are zeroed
+(``reset_``). ``MasterWeights.adopt_model_changes`` finds such a weight by its version counter (one
+int compare per weight per step); a write through ``param.data`` moves no counter and goes unseen, so
+the old compensations stay joined to it (within half a bf16 ulp of the new value).
+
+Whatever a compensation holds, the join of a finite weight is finite: the only finite weights whose
+pattern plus a compensation leaves the finite range are the zeros with a negative compensation
+(``0 - 1`` in the bits is 0xFFFFFFFF, a NaN; no split makes that pair: a zero is never rounded up), so
+the join makes those +0.0 (three more integer passes; measured in benchmarks/RESULTS.md, issue 33).
 
 NaN: a NaN's pattern plus 0x8000 may overflow int32 (0x7FFF8000 and up), so NaNs are made the
 canonical 0x7FC00000 first (low half zero), as ``stochastic_round_bf16_`` does.
@@ -89,7 +93,12 @@ def add_compensation_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[in
     low = flat.view(torch.int16)[_LOW_HALF::2]
     for offset, start, length in runs:
         torch.bitwise_xor(comp[start:start + length], -32768, out=low[offset:offset + length])
-    flat.view(torch.int32).sub_(0x8000)
+    bits = flat.view(torch.int32)
+    # A zero weight (magnitude bits 0) with c < 0 (low half now below 0x8000): the sub would borrow
+    # through the sign into a NaN. No split makes that pair; the join makes it +0.0.
+    impossible = (bits & 0x7FFF8000) == 0
+    bits.sub_(0x8000)
+    bits.masked_fill_(impossible, 0)
 
 
 class KahanCompensation:
@@ -110,7 +119,6 @@ class KahanCompensation:
                 flat = p.detach().reshape(-1).float()     # a copy: split_ writes into it
                 w = split_(flat, self.comp, [[0, start, p.numel()]])
                 p.data.copy_(w.view(p.shape))
-        self._versions = [p._version for p in params]
 
     @property
     def nbytes(self) -> int:
@@ -120,10 +128,6 @@ class KahanCompensation:
     def join_(self, flat: torch.Tensor, which: list[int], runs: list[list[int]]) -> None:
         """``flat`` holds the bf16 weights of positions ``which`` as fp32 (an exact cast): add the
         compensations, so it holds the fp32 values the last step left. No sync."""
-        for i in which:
-            p = self.params[i]
-            if p._version != self._versions[i]:    # changed outside the step: see the module docstring
-                self._drop_unsafe(i)
         add_compensation_(flat, self.comp, runs)
 
     def split_(self, flat: torch.Tensor, runs: list[list[int]]) -> torch.Tensor:
@@ -131,16 +135,10 @@ class KahanCompensation:
         (a strided view into ``flat``) for the caller to copy into the model."""
         return split_(flat, self.comp, runs)
 
-    @torch.no_grad()
-    def _drop_unsafe(self, i: int) -> None:
-        """Zero the compensations that cannot belong to parameter ``i``'s weight: negative ones on a
-        zero (the join would cross into the NaN patterns), positive ones on an inf."""
-        p = self.params[i]
-        c = self.comp[self.starts[i]:self.starts[i] + p.numel()]
-        mag = p.detach().reshape(-1).view(torch.int16) & 0x7FFF     # the weight's magnitude bits
-        bad = ((mag == 0) & (c < 0)) | ((mag == _BF16_INF) & (c > 0))
-        c.masked_fill_(bad, 0)
-        self._versions[i] = p._version
+    def reset_(self, i: int) -> None:
+        """Zero parameter ``i``'s compensations: its fp32 value is its bf16 weight (a weight the user
+        set is the truth, not the old weight's remainder joined to it)."""
+        self.comp[self.starts[i]:self.starts[i] + self.params[i].numel()].zero_()
 
     def fp32_weights(self) -> list[torch.Tensor]:
         """Each parameter's exact fp32 value (weight joined with its compensation), shaped like it."""
@@ -177,4 +175,3 @@ class KahanCompensation:
         self.check_state(saved)
         for p, s, c in zip(self.params, self.starts, saved):
             self.comp[s:s + p.numel()].copy_(c.reshape(-1))
-        self._versions = [p._version for p in self.params]

@@ -56,6 +56,7 @@ a compiled step) counts every call as a step taken unless it is handed ``found_i
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,7 @@ __all__ = ["MasterWeights", "DEFAULT_CHUNK_BYTES"]
 # large enough that a step makes few calls (a 7B model: ~420, each a multi-tensor kernel on CUDA).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 _WORKSPACE_MIN = 32 * 2**20      # CPU: fp32 gradient chunks this large go into a kept workspace
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -174,9 +176,75 @@ class MasterWeights:
         self.kahan = KahanCompensation(self.model_params, self._start, total) if rounding is Rounding.KAHAN else None
         if not keep:
             self._release(range(len(self.masters)))
+        # Each weight's version counter as the engine last left it (the engine writes through .data,
+        # which moves none): a user's in-place write moves it (adopt_model_changes).
+        self._versions = [p._version for p in self.model_params]
+        self._noted = False
+
+    def adopt_model_changes(self) -> None:
+        """Take a weight the user changed since the engine last wrote it as the truth.
+
+        ``model.load_state_dict``, an in-place edit under ``no_grad``, a re-initialised layer, EMA
+        weights swapped in: each moves the parameter's version counter. Then, under ``keep=True``, the
+        master takes the new value wherever the weight is no longer the master's rounding (where it
+        still is, e.g. EMA weights swapped back out, the master keeps its fp32 bits), and under
+        bf16-kahan the weight's compensations are zeroed (its fp32 value is the new weight). A
+        ``UserWarning`` says so the first time. Cost: one int compare per weight (host metadata, no
+        sync); a pass over the data only for a changed weight. Writes through ``param.data`` move no
+        counter and go unseen: write through the parameter (docs/recipes.md).
+        """
+        versions = [p._version for p in self.model_params]
+        if versions == self._versions:
+            return
+        changed = [i for i, (a, b) in enumerate(zip(versions, self._versions)) if a != b]
+        moved = not self.keep     # kahan cannot tell an unchanged value from a new one: always said
+        with torch.no_grad():
+            for i in changed:
+                p = self.model_params[i]
+                if self.keep:
+                    m = self.masters[i].data
+                    # The user's value wherever it is not the master's rounding: bitwise (NaN != NaN:
+                    # a NaN weight is taken too), so -0.0 over a master that rounds to +0.0 counts.
+                    differs = p.view(_BITS[p.dtype]) != m.to(p.dtype).view(_BITS[p.dtype])
+                    m.copy_(torch.where(differs, p.float(), m))
+                    # Whether to say so: a write of the same values (a broadcast) changes nothing.
+                    moved = moved or (not self._noted and bool(differs.any()))   # a sync, on a change only
+                elif self.kahan is not None:
+                    self.kahan.reset_(i)
+        self._versions = versions
+        if not self._noted and moved and (self.keep or self.kahan is not None):
+            self._noted = True
+            what = ("its fp32 master took the new values" if self.keep
+                    else "its Kahan compensations were reset (the fp32 value is the new bf16 weight)")
+            warnings.warn(f"{len(changed)} low-precision parameter(s) changed since the engine last wrote "
+                          f"them (model.load_state_dict, an in-place edit, a re-initialised layer): {what}, "
+                          "so the model's values are the truth. To load fp32 weights at fp32 precision "
+                          "use mp.load_model_state_dict(state_dict). Said once per engine.",
+                          UserWarning, stacklevel=3)
+
+    def mark_synced(self) -> None:
+        """The weights and what the engine keeps beside them agree now (a checkpoint loaded both)."""
+        self._versions = [p._version for p in self.model_params]
+
+    @torch.no_grad()
+    def load_fp32_(self, i: int, value: torch.Tensor) -> None:
+        """Set weight ``i`` from fp32 ``value`` at fp32 precision: the master (or Kahan's exact pair)
+        holds ``value`` and the 16-bit weight its rounding, as if the optimizer had stepped there."""
+        p = self.model_params[i]
+        flat = value.detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
+        if self.keep:
+            self.masters[i].data.copy_(flat.view(p.shape))
+            p.data.copy_(flat.view(p.shape))                 # round to nearest even, as a step does
+        elif self.kahan is not None:
+            w = self.kahan.split_(flat, [[0, self.kahan.starts[i], p.numel()]])
+            p.data.copy_(w.view(p.shape))
+        else:                                                # bf16-sr: the weight is all there is
+            p.data.copy_(flat.view(p.shape))
+        self._versions[i] = p._version
 
     def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Plan the step's chunks (``step`` uses the plan). Casts nothing; no sync."""
+        self.adopt_model_changes()
         self._step_plan = self._plan(optimizer)
         self._planned = True
 
@@ -218,6 +286,8 @@ class MasterWeights:
         by position (default: all, in the optimizer's order); ``chunked``: they are one chunk of several
         (CPU: the workspace).
         """
+        if which is None:
+            self.adopt_model_changes()
         self._pull(self._order if which is None else list(which), chunked, None)
 
     @_without_grad
@@ -451,6 +521,7 @@ class MasterWeights:
         self._pulled = None
 
     def state_dict(self) -> dict[str, Any]:
+        self.adopt_model_changes()
         state = {"masters": [m.detach().clone() for m in self.masters] if self.keep else None,
                  "generator": self.generator.get_state() if self.generator is not None else None}
         if self.kahan is not None:
@@ -481,3 +552,4 @@ class MasterWeights:
             self.generator.set_state(noise)
         if self.kahan is not None:
             self.kahan.load_state_dict(state["compensation"])
+        self.mark_synced()     # a checkpoint's model weights and these belong together

@@ -56,9 +56,16 @@ def unscale_and_clip(engine: MixedPrecision, grads: list[torch.Tensor]) -> tuple
     # Without a loss scale or clipping there is no division at all (S = 1 exactly, a Python-level
     # fact of NoLossScale).
     divisor = scale if divides(engine) else None
+    engine._clip_multiplier = None
     if engine.clip_grad_norm is not None:
         clip = (engine.clip_grad_norm / (grad_norm + CLIP_EPS)).clamp(max=1.0)
         divisor = scale / clip
+        if not torch.compiler.is_compiling():
+            # Eager steps multiply by clip / S (exact: S is a power of two), as torch's unscale_ then
+            # clip_grad_norm_ do ((g / S) * clip: one rounding either way), so a binding clip trains
+            # bit for bit like that loop; g / (S / clip) in the kernel rounds twice. The compiled step
+            # keeps the divisor in its graph (docs/step.md says by how much it differs).
+            engine._clip_multiplier = clip / scale
     return found_inf, grad_norm, divisor
 
 
@@ -118,10 +125,11 @@ def fused_optimizer_step(engine: MixedPrecision, divisor: torch.Tensor | None,
     (None: the host has decided to step)."""
     # Set on the optimizer that owns the kernel; engine.optimizer.step() (a wrapper's, if any) calls it.
     opt = fused_kernel_optimizer(engine.optimizer)
-    opt.grad_scale = divisor                       # type: ignore[attr-defined]
+    multiplier = getattr(engine, "_clip_multiplier", None)    # clipping: the gradients times clip / S
+    opt.grad_scale = divisor if multiplier is None else None   # type: ignore[attr-defined]
     opt.found_inf = found_inf_f32                  # type: ignore[attr-defined]
     try:
-        update(engine, None)
+        update(engine, multiplier)
     finally:
         del opt.grad_scale, opt.found_inf          # type: ignore[attr-defined]
 
@@ -130,8 +138,9 @@ def generic_optimizer_step(engine: MixedPrecision, grads: list[torch.Tensor], di
                            found_inf: torch.Tensor) -> bool:
     """Step unless ``found_inf`` (one host sync); returns whether it stepped."""
     stepped = not bool(found_inf)   # the one host sync of the generic path
+    multiplier = getattr(engine, "_clip_multiplier", None)    # clipping: clip / S, exact
     if stepped:
-        update(engine, None if divisor is None else 1.0 / divisor)
+        update(engine, multiplier if multiplier is not None else None if divisor is None else 1.0 / divisor)
     else:
         skip_optimizer_step(engine)
     return stepped

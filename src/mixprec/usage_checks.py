@@ -198,7 +198,7 @@ class UsageChecks:
         self.in_engine_step = False     # mp.step() is calling the optimizer: the guard lets it through
         self.bare_step_reason: str | None = None
         self.bare_step_always = False   # else refused only on gradients mp.backward() scaled
-        self.dtype_probe: tuple[str, Any, torch.dtype] | None = None   # (name, parameter, dtype as built)
+        self.dtype_probes: tuple = ()     # (name, parameter, dtype as built), the first of each dtype
         self.optimizer: Any = None      # watch_optimizer: its param groups, counted as the engine left them
         self.n_groups = 0
         self.known: set[int] = set()    # tensors the optimizer may step: what it held, the fp32 weights
@@ -225,19 +225,25 @@ class UsageChecks:
         self.n_groups = len(self.optimizer.param_groups)
 
     def remember_dtype(self, model: Any) -> None:
-        """Note one parameter's dtype as the recipe left it: a cast of the whole model changes it."""
-        name, param = next(((n, p) for n, p in model.named_parameters() if p.is_floating_point()), ("", None))
-        self.dtype_probe = (name, param, param.dtype) if param is not None else None
+        """Note, as the recipe left them, the dtype of the first parameter of each floating dtype the
+        model holds: a cast of the whole model changes at least one of them. Under a pure recipe the
+        first parameter is already 16-bit, so ``model.half()`` shows only on what it keeps fp32 (norms).
+        """
+        probes: dict[torch.dtype, tuple] = {}
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and param.dtype not in probes:
+                probes[param.dtype] = (name, param, param.dtype)
+        self.dtype_probes = tuple(probes.values())
 
     def check_dtype(self) -> None:
-        """Refuse a model cast after the engine was built (one dtype compared: host metadata, no sync).
+        """Refuse a model cast after the engine was built (a dtype compared per dtype held: host metadata, no sync).
 
         Checked at step() and on entering mp.autocast(): under a pure recipe the forward itself fails
         after model.half() (a norm kept fp32 gets fp16 weights), with torch's "mixed dtype" error.
         """
-        probe = self.dtype_probe
-        if probe is not None and probe[1].dtype != probe[2]:
-            name, param, built = probe
+        for name, param, built in self.dtype_probes:    # at most one per dtype: two or three compares
+            if param.dtype == built:
+                continue
             raise RuntimeError(
                 f"the model's parameters changed dtype after MixedPrecision was built ({name!r} was "
                 f"{str(built).removeprefix('torch.')}, now {str(param.dtype).removeprefix('torch.')}): was "

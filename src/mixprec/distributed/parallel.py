@@ -164,6 +164,7 @@ def wrap_ddp(engine: _DdpEngine, *, comm_dtype: str | None = None, process_group
         with torch.no_grad():
             for m in engine.master.masters:
                 dist.broadcast(m.data, src=src, group=group)
+        engine.master.mark_synced()     # DDP's broadcast wrote the weights, this one their masters: in step
     if dtype in (torch.float16, torch.bfloat16):
         model.register_comm_hook(group, _compress_hook(dtype, engine.device))
     engine.install_grad_sync(GradSync(SyncKind.REPLICATED, group))

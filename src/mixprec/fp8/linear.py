@@ -31,6 +31,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..recipe.fp8 import Fp8Config
@@ -128,13 +129,19 @@ class Fp8Linear(nn.Linear, Fp8LayerState):
         out_dtype = torch.get_autocast_dtype(device_type) if autocast_on else x.dtype
         record = self.training and torch.is_grad_enabled()
         x2d = x.reshape(-1, self.in_features)                        # (M, K)
+        if x2d.shape[0] == 0:
+            # An empty batch has no amax to scale by (torch has no max of nothing): it runs as the
+            # base recipe's matmul (bf16 under autocast), the weight gradient is zeros and the scale
+            # state records nothing, so no scale or history is made from it.
+            out = F.linear(x2d, self._weight_out_in()).to(out_dtype)   # (0, N)
+            return self._add_bias(out.view(*x.shape[:-1], self.out_features))
         fn = _Fp8LinearFn if self.blocked is None else BlockedLinearFn
         with torch.autocast(device_type, enabled=False):             # the emulation's fp32 mm stays fp32
             out = fn.apply(x2d, self._weight_out_in(), self, out_dtype, record)             # (M, N)
-        out = out.view(*x.shape[:-1], self.out_features)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out
+        return self._add_bias(out.view(*x.shape[:-1], self.out_features))
+
+    def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _weight_out_in(self) -> torch.Tensor:
         """The weight as ``(out, in)``; a layer that stores it transposed returns a view (fp8/conv1d.py)."""

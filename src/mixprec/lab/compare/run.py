@@ -57,6 +57,9 @@ def unique_recipes(recipes: Sequence[str | Recipe] | str | Recipe, verb: str) ->
         parsed.setdefault(str(recipe), recipe)
     if not parsed:
         raise ValueError(f"no recipes to {verb}; name some, e.g. {','.join(DEFAULT_RECIPES)}")
+    if len(parsed) == 1 and len(recipes) > 1:     # e.g. "fp32 fp32": a comparison of nothing
+        raise ValueError(f"the recipes to {verb} ({', '.join(map(str, recipes))}) are one recipe, "
+                         f"{next(iter(parsed))!r}, named {len(recipes)} times: name different ones, e.g. fp32 bf16")
     return parsed
 
 

@@ -89,8 +89,9 @@ class WhatIfOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.floor_db, bool) or not isinstance(self.floor_db, (int, float)) \
-                or not math.isfinite(self.floor_db):
-            raise ValueError(f"--what-if-floor must be a finite number of dB (e.g. 20), got {self.floor_db!r}")
+                or not math.isfinite(self.floor_db) or self.floor_db < 0:
+            raise ValueError(f"--what-if-floor must be a finite number of dB >= 0 (e.g. 20; below 0 dB the "
+                             f"error is larger than the signal and every format passes), got {self.floor_db!r}")
         if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < _ROW_UNIT:
             raise ValueError(f"--what-if-rows must be an integer >= {_ROW_UNIT} (rows of x and g kept per "
                              f"layer), got {self.max_rows!r}")
