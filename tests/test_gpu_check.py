@@ -73,8 +73,11 @@ def test_unknown_parts_are_refused_with_the_known_ones(capsys):
 @pytest.mark.slow
 def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
     """Every part's commands exit 0 on the CPU, and the default loop's weights equal torch.amp's."""
+    # PY: the interpreter running the tests (gpu_check.sh defaults to python3, the GPU machines' one;
+    # on a CI machine that is a bare system Python without torch).
+    env = dict(__import__("os").environ, PY=sys.executable)
     subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
-                   check=True, timeout=900, capture_output=True)
+                   check=True, timeout=900, capture_output=True, env=env)
     text = (tmp_path / "gpu_check.md").read_text()
     for title in ("a. CUDA tests", "b. The default loop", "c. fp8", "d. The host-bound step", "e. The doctor"):
         assert f"## {title}" in text
