@@ -45,6 +45,17 @@ def assert_same_state(a: tuple, b: tuple) -> None:
             assert torch.equal(torch.as_tensor(a[2][i][k]), torch.as_tensor(b[2][i][k])), (i, k)
 
 
+def same_nested(a, b) -> bool:
+    """Nested state (dicts, lists, tuples of tensors and plain values) equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_nested(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_nested(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 @pytest.fixture
 def model():
     return tiny_model()

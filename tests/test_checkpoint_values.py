@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import batches, tiny_model
+from conftest import batches, same_nested as _same, tiny_model
 from torch import nn
 
 from mixprec import CheckpointError, MixedPrecision, load_checkpoint, save_checkpoint
@@ -38,15 +38,6 @@ def _fp8_model():
 def _everything(mp):
     return copy.deepcopy((mp.model.state_dict(), mp.optimizer.state_dict(), mp.state_dict()))
 
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _opt_state(key, value):

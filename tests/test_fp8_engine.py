@@ -13,6 +13,7 @@ from torch import nn
 import mixprec
 from mixprec import Fp8Config, Fp8EmulationWarning, MixedPrecision, get_recipe, parse_recipe, supports
 from mixprec.fp8 import Fp8Linear, Fp8Reason, count_fp8_ranges, fp8_layer_stats
+from conftest import same_nested as _same
 
 
 class Net(nn.Module):
@@ -313,12 +314,3 @@ def test_an_empty_batch_trains_as_bf16_does_and_leaves_the_scale_state_alone(rec
     grads, result = train(8)                                            # and training goes on
     assert all(torch.isfinite(g).all() for g in grads) and not result.skipped
 
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b

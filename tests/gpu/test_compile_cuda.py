@@ -73,30 +73,9 @@ def test_every_recipe_compiles_whole_on_cuda_and_trains_as_in_eager(recipe):
     assert [compiled[i] for i in finite] == pytest.approx([eager[i] for i in finite], rel=tol)
 
 
-def test_compiled_step_runs_in_cuda_graphs_without_a_host_sync():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
-    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "fp16",
-                                clip_grad_norm=1.0)
-    mp.compile_step(mode="reduce-overhead")
-    x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
-    for i in range(8):
-        if i == 5:
-            torch.cuda.set_sync_debug_mode("error")     # any host sync from here on raises
-        try:
-            with mp.autocast():
-                loss = F.cross_entropy(model(x), y)
-            mp.backward(loss)
-            mp.step()
-            mp.zero_grad(set_to_none=False)             # gradients keep their addresses for the graph
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    assert mp.skipped_steps == 0 and mp.steps == 8
-
-
-@pytest.mark.parametrize("recipe", ["bf16", "bf16-pure", "fp16-pure", "fp8"])
+@pytest.mark.parametrize("recipe", ["fp16", "bf16", "bf16-pure", "fp16-pure", "fp8"])
 def test_every_recipe_captures_its_step_in_cuda_graphs_without_a_host_sync(recipe):
-    # issue 36: the captured step for host-bound GPUs, for recipes beyond fp16 (above): fp32 masters
+    # issue 36: the captured step for host-bound GPUs (fp16 first, then the others): fp32 masters
     # filled and rounded around the graph, fp8 layers in the forward. bf16-sr/kahan rebuild their
     # transient copies each step (new addresses): not captured with reduce-overhead (step_compile.py).
     if recipe == "fp8" and not probe_scaled_mm("cuda").ok:
