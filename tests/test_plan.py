@@ -4,6 +4,7 @@ exactly as verified, and every bad input as one clear error."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from mixprec.lab.plan import plan_setup, run_plan
 from mixprec.lab.plan.candidates import PlanLayer
 from mixprec.lab.plan.choose import LayerEvidence, choose, raise_most_sensitive, recipe_for
 from mixprec.lab.plan.evidence import WorkloadDiverges
+from mixprec.lab.plan.render import plan_lines
 from mixprec.lab.plan.report import PlanReport
 from mixprec.lab.trainer import train
 from mixprec.lab.user_workloads import load_user_workload
@@ -120,6 +122,27 @@ def test_a_plan_mixes_formats_where_evidence_differs_and_trains_exactly_as_verif
     assert PlanReport.from_json(report.to_json()) == report
 
 
+def test_where_one_format_everywhere_leaves_the_band_the_plan_keeps_the_failing_layers_higher(workload):
+    # tiny over 40 steps from seed 0: nvfp4 on every layer ends ~7 bands above bf16. At an 18 dB floor
+    # its evidence fails layer 0 (16.9 dB) and passes the others, whose verification then leaves the band
+    # too: the plan raises them until it comes inside, and the contrast run shows what it avoided.
+    report = run_plan(plan_setup(workload("tiny"), target=FREE_B, steps=40, seed=0, floor_db=18,
+                                 contrast="nvfp4"))
+    contrast = report.contrast
+    assert contrast.format == "nvfp4" and "fp8=nvfp4" in contrast.recipe and len(contrast.losses) == 40
+    assert not contrast.inside and contrast.gap > 2 * report.band.band
+    assert report.accepted and report.verified.gap <= report.band.band
+    assert any(lay.evidence["nvfp4"].passes for lay in report.layers)         # nvfp4 was tried somewhere
+    assert all(lay.format != "nvfp4" for lay in report.layers if not lay.evidence["nvfp4"].passes)
+    assert not report.attempts[0].inside and any("nvfp4 ->" in r for a in report.attempts for r in a.raised)
+    assert any("contrast, nvfp4 on every planned layer" in line and "OUTSIDE" in line for line in plan_lines(report))
+    assert PlanReport.from_json(report.to_json()) == report
+    # A file written before the contrast existed reads with none.
+    old = json.loads(report.to_json())
+    del old["contrast"]
+    assert PlanReport.from_json(json.dumps(old)).contrast is None
+
+
 def test_hopper_has_no_fp4_so_the_same_model_plans_differently_and_says_why(workload):
     setup_h = plan_setup(workload("tiny"), target=FREE_H, steps=8)
     assert all(lay.excluded["nvfp4"] == "no nvfp4 kernel on free-h100" for lay in setup_h.layers)
@@ -133,6 +156,12 @@ def test_bad_inputs_are_one_clear_error(workload):
         run_plan(plan_setup(workload("diverges"), target="h100", steps=8))
     with pytest.raises(ValueError, match="--steps must be at least 8"):
         plan_setup(workload("tiny"), steps=4)
+    with pytest.raises(ValueError, match=r"--contrast must be one low-precision format \(current, .*got 'fp4'"):
+        plan_setup(workload("tiny"), steps=8, contrast="fp4")
+    with pytest.raises(ValueError, match="--contrast nvfp4: h100 has no nvfp4 kernel.*one of current, rowwise, block"):
+        plan_setup(workload("tiny"), steps=8, contrast="nvfp4")
+    with pytest.raises(ValueError, match=r"--contrast block: no planned layer can take it \(0: weight \(64, 32\)"):
+        plan_setup(workload("tiny"), target=FREE_H, steps=8, contrast="block")
 
 
 @pytest.mark.slow       # a whole plan's evidence: ~5 s unloaded, 16 s on the loaded 2-core CPU
@@ -160,6 +189,8 @@ def test_cli_errors_exit_2(workload, capsys):
     assert "nothing to plan" in capsys.readouterr().err
     assert main(["plan", "--workload", "plan_workloads:diverges", "--steps", "8"]) == 2
     assert "in fp32" in capsys.readouterr().err
+    assert main(["plan", "--workload", "plan_workloads:tiny", "--steps", "8", "--contrast", "nvfp4"]) == 2
+    assert "h100 has no nvfp4 kernel" in capsys.readouterr().err
 
 
 @pytest.mark.slow       # a whole plan through the command line: ~10 s on a loaded 2-core CPU

@@ -48,6 +48,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       help="how far the plan's loss may end from bf16's, in units of fp32's seed band (default 1)")
     plan.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
                       help=f"verifications after the first, each raising the most sensitive layers (default {DEFAULT_RETRIES})")
+    plan.add_argument("--contrast", metavar="FORMAT", default=None,
+                      help="also train this one low format (current, rowwise, block, mxfp8, nvfp4) on every "
+                           "planned layer that takes it, lockstep from the same init, and show it beside the "
+                           "plan: what a per-layer choice buys (one more training run)")
     add_device_arg(plan)
     plan.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     plan.add_argument("--json", metavar="PATH", type=Path, default=None, help="write the report as JSON")
@@ -61,7 +65,8 @@ def handle(args: argparse.Namespace) -> int:
     with usage_errors():
         threads = torch_threads(args.threads)
         setup = plan_setup(args.workload, target=args.target, steps=args.steps, seed=args.seed,
-                           floor_db=args.floor_db, budget=args.budget, retries=args.retries, device=args.device)
+                           floor_db=args.floor_db, budget=args.budget, retries=args.retries, device=args.device,
+                           contrast=args.contrast)
         check_outputs(args.json, args.out, ("plan.json", "plan.html"))
     with threads:
         try:

@@ -49,6 +49,9 @@ def _curves(report: PlanReport) -> str:
     ax.plot(report.bf16_losses, color="#1f77b4", label="bf16")
     for i, a in enumerate(report.attempts, 1):
         ax.plot(a.losses, linestyle="--", label=f"plan try {i} ({'inside' if a.inside else 'outside'})")
+    if report.contrast is not None:
+        ax.plot(report.contrast.losses, linestyle=":", color="#d62728",
+                label=f"contrast ({'inside' if report.contrast.inside else 'outside'})")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
     ax.legend()

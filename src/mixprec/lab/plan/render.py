@@ -51,6 +51,10 @@ def plan_lines(report: PlanReport) -> list[str]:
         verdict = "inside" if a.inside else "OUTSIDE"
         raised = f" after raising {', '.join(a.raised)}" if a.raised else ""
         lines.append(f"verification {i}{raised}: tail {a.gap:+.4f} nats against bf16, {verdict} the band")
+    if report.contrast is not None:
+        c = report.contrast
+        lines.append(f"contrast, {c.format} on every planned layer that takes it: tail {c.gap:+.4f} nats against "
+                     f"bf16, {'inside' if c.inside else 'OUTSIDE'} the band ({c.recipe})")
     if report.accepted:
         lines.append(f"recipe (trains as verified: same seed, same losses): {report.recipe}")
     else:

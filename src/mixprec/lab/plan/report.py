@@ -19,6 +19,8 @@ JSON schema, version 1 (strict JSON, through ``lab/codec.py``)::
     attempts               per verification: recipe, losses, gap (tail - bf16 tail), inside, raised
     accepted               bool
     seconds                float     wall time of the whole plan, here
+    contrast               null, or (added within version 1) {format, recipe, losses, gap, inside}: one
+                           format on every planned layer that takes it, trained lockstep (``--contrast``)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import ClassVar
 
 from ..codec import JsonReport, Schema
 
-__all__ = ["PlanReport", "PlanLayerReport", "FormatEvidence", "Attempt", "BandReport"]
+__all__ = ["PlanReport", "PlanLayerReport", "FormatEvidence", "Attempt", "Contrast", "BandReport"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,17 @@ class Attempt:
 
 
 @dataclasses.dataclass(frozen=True)
+class Contrast:
+    """One low format on every planned layer that can take it, trained lockstep beside the plan."""
+
+    format: str
+    recipe: str
+    losses: tuple[float, ...]
+    gap: float
+    inside: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class BandReport:
     losses_a: tuple[float, ...]
     losses_b: tuple[float, ...]
@@ -77,7 +90,7 @@ class BandReport:
 class PlanReport(JsonReport):
     """The plan of one workload for one target; ``table``/``html`` render it, ``to_json`` keeps it."""
 
-    SCHEMA: ClassVar[Schema] = Schema("plan", 1)
+    SCHEMA: ClassVar[Schema] = Schema("plan", 1, added=frozenset({"contrast"}))
 
     workload: str
     target: str
@@ -99,6 +112,7 @@ class PlanReport(JsonReport):
     attempts: tuple[Attempt, ...]
     accepted: bool
     seconds: float
+    contrast: Contrast | None = None
 
     @property
     def verified(self) -> Attempt | None:

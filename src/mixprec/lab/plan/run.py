@@ -10,7 +10,10 @@ training; ``run_plan`` then:
    (``evidence.gradient_snr``: below sqrt(3) a format fails the layer);
 3. chooses per layer the fastest candidate whose evidence passes (``choose.py``), spells it as a recipe;
 4. verifies: trains the recipe lockstep with bf16 and accepts it when its tail loss is within the band
-   of bf16's; otherwise raises the most sensitive layers one step and tries again (``retries`` times).
+   of bf16's; otherwise raises the most sensitive layers one step and tries again (``retries`` times);
+5. with ``contrast="nvfp4"`` (any low format the target runs), also trains that one format on every
+   planned layer that can take it, lockstep from the same init: what the plan's per-layer choice saved
+   the user from (or that it cost nothing), on the same band.
 
 ::
 
@@ -39,10 +42,10 @@ from ...model_io import predictions
 from ..trainer import batch_order, check_seed, check_steps
 from ..workload import Split, Workload
 from ..workloads import get_workload
-from .candidates import PlanLayer, count_rows, plan_layers
-from .choose import BF16_EVIDENCE, LayerEvidence, choose, raise_most_sensitive, recipe_for, what_if_evidence
-from .evidence import GRAD_SNR_THRESHOLD, LayerMeasure, capture_what_if, fp32_band, gradient_snr, lockstep
-from .report import Attempt, BandReport, FormatEvidence, PlanLayerReport, PlanReport
+from .candidates import LOW_FORMATS, PlanLayer, count_rows, plan_layers
+from .choose import BF16_EVIDENCE, LayerEvidence, Pick, choose, raise_most_sensitive, recipe_for, what_if_evidence
+from .evidence import GRAD_SNR_THRESHOLD, LayerMeasure, capture_what_if, fp32_band, gradient_snr, lockstep, tail
+from .report import Attempt, BandReport, Contrast, FormatEvidence, PlanLayerReport, PlanReport
 
 __all__ = ["PlanSetup", "plan_setup", "run_plan", "plan_model", "DEFAULT_STEPS", "DEFAULT_FLOOR_DB"]
 
@@ -65,12 +68,13 @@ class PlanSetup:
     retries: int
     layers: tuple[PlanLayer, ...]
     measures: tuple[tuple[str, LayerMeasure], ...] = ()
+    contrast: str | None = None
 
 
 def plan_setup(workload: str | Workload = "gpt", *, target: str | Target = "h100", steps: int = DEFAULT_STEPS,
                seed: int = 0, floor_db: float = DEFAULT_FLOOR_DB, budget: float = 1.0,
                retries: int = DEFAULT_RETRIES, device: str | torch.device = "cpu",
-               measures: Iterable[tuple[str, LayerMeasure]] = ()) -> PlanSetup:
+               measures: Iterable[tuple[str, LayerMeasure]] = (), contrast: str | None = None) -> PlanSetup:
     """Check every input (ValueError names the fix) and find the layers to plan; trains nothing."""
     target_spec = target if isinstance(target, Target) else get_target(target)
     steps, seed = check_steps(steps), check_seed(seed)
@@ -96,8 +100,21 @@ def plan_setup(workload: str | Workload = "gpt", *, target: str | Target = "h100
         raise ValueError(f"{workload.name} has no linear layer the plan can put in low precision (it needs plain "
                          "nn.Linear or HF Conv1D layers with both weight dimensions multiples of 16); there "
                          "is nothing to plan: train it in bf16")
+    if contrast is not None:
+        _check_contrast(contrast, target_spec, layers)
     return PlanSetup(workload, target_spec, device, steps, seed, float(floor_db), float(budget), retries, layers,
-                     tuple(measures))
+                     tuple(measures), contrast)
+
+
+def _check_contrast(fmt: object, target: Target, layers: tuple[PlanLayer, ...]) -> None:
+    if fmt not in LOW_FORMATS:
+        raise ValueError(f"--contrast must be one low-precision format ({', '.join(LOW_FORMATS)}), got {fmt!r}")
+    if fmt not in target.kernels:
+        raise ValueError(f"--contrast {fmt}: {target.name} has no {fmt} kernel, so no plan for it would use "
+                         f"{fmt}; name one of {', '.join(f for f in LOW_FORMATS if f in target.kernels)}")
+    if not any(fmt in lay.candidates for lay in layers):
+        why = "; ".join(f"{lay.name}: {lay.excluded[fmt]}" for lay in layers)
+        raise ValueError(f"--contrast {fmt}: no planned layer can take it ({why})")
 
 
 def run_plan(setup: PlanSetup, on_progress: Callable[[str], None] | None = None) -> PlanReport:
@@ -145,8 +162,22 @@ def run_plan(setup: PlanSetup, on_progress: Callable[[str], None] | None = None)
         count = max(1, sum(p.format != "bf16" for p in picks.values()) // 4)
         picks, banned, raised = raise_most_sensitive(s.layers, evidence, picks, s.floor_db, banned, count)
     accepted = bool(attempts) and attempts[-1].inside
+    contrast = _contrast(s, bf16, band, attempts, say) if s.contrast is not None else None
     return _report(s, band, bf16, plan_run, profile[0] if profile else math.nan, evidence, picks,
-                   tuple(attempts), accepted, time.perf_counter() - start)
+                   tuple(attempts), accepted, time.perf_counter() - start, contrast)
+
+
+def _contrast(s: PlanSetup, bf16, band, attempts: list[Attempt], say: Callable[[str], None]) -> Contrast:
+    """``s.contrast`` on every planned layer that takes it, lockstep with bf16 (a verification that
+    already trained that recipe is reused: same seed, same losses)."""
+    recipe = str(recipe_for({lay.name: Pick(s.contrast if s.contrast in lay.candidates else "bf16", "")
+                             for lay in s.layers}))
+    losses = next((a.losses for a in attempts if a.recipe == recipe), None)
+    if losses is None:
+        say(f"contrast: {recipe}")
+        losses = lockstep(s.workload, recipe, steps=s.steps, seed=s.seed, device=s.device).losses
+    gap = tail(losses) - bf16.tail
+    return Contrast(s.contrast, recipe, losses, gap, math.isfinite(gap) and gap <= band.band)
 
 
 def _unmet(s: PlanSetup, evidence) -> tuple[str, ...]:
@@ -203,7 +234,7 @@ def _layer_evidence(layer: PlanLayer, what_if, s: PlanSetup, snr: dict) -> dict[
 
 
 def _report(s: PlanSetup, band, bf16, plan_run, bf16_step_s, evidence, picks, attempts, accepted,
-            seconds) -> PlanReport:
+            seconds, contrast) -> PlanReport:
     flops = sum(lay.shape.flops for lay in s.layers)
     rows, bf16_lin, plan_lin = [], 0.0, 0.0
     for lay in s.layers:
@@ -229,7 +260,7 @@ def _report(s: PlanSetup, band, bf16, plan_run, bf16_step_s, evidence, picks, at
         step_ratio=plan_step / bf16_step_s if bf16_step_s > 0 else math.nan,
         linear_ratio=plan_lin / bf16_lin if bf16_lin > 0 else math.nan, bf16_step_s=bf16_step_s,
         saved_bytes_bf16=bf16.saved_bytes, saved_bytes_plan=plan_run.saved_bytes,
-        bf16_losses=bf16.losses, attempts=attempts, accepted=accepted, seconds=seconds)
+        bf16_losses=bf16.losses, attempts=attempts, accepted=accepted, seconds=seconds, contrast=contrast)
 
 
 def plan_model(make_model: Callable[[], nn.Module], make_optimizer: Callable, x: torch.Tensor,
