@@ -143,6 +143,16 @@ def test_where_one_format_everywhere_leaves_the_band_the_plan_keeps_the_failing_
     assert PlanReport.from_json(json.dumps(old)).contrast is None
 
 
+def test_where_fp8_does_not_pay_the_plan_is_bf16_and_says_so_without_claiming_a_verification(workload):
+    # tiny's GEMMs are memory-bound on a real H100: every format passes its evidence, none is faster.
+    report = run_plan(plan_setup(workload("tiny"), target="h100", steps=8, contrast="rowwise"))
+    assert report.accepted and all(lay.format == "bf16" and "predicted slower" in lay.why for lay in report.layers)
+    lines = plan_lines(report)
+    assert "try 1: every layer bf16, the reference itself (nothing to verify)" in lines
+    assert not any(line.startswith("verification") for line in lines)
+    assert report.contrast.format == "rowwise" and len(report.contrast.losses) == 8     # trained: not the plan's
+
+
 def test_hopper_has_no_fp4_so_the_same_model_plans_differently_and_says_why(workload):
     setup_h = plan_setup(workload("tiny"), target=FREE_H, steps=8)
     assert all(lay.excluded["nvfp4"] == "no nvfp4 kernel on free-h100" for lay in setup_h.layers)

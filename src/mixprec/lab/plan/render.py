@@ -7,6 +7,7 @@ import math
 
 from rich.table import Table
 
+from ...recipe import get_recipe
 from .report import PlanReport
 
 __all__ = ["render_plan", "plan_lines"]
@@ -47,10 +48,14 @@ def plan_lines(report: PlanReport) -> list[str]:
         f"band: fp32 from seeds {report.seed} and {report.seed + 1} ended {band.spread:.4f} nats apart over "
         f"{report.steps} steps (floor {band.floor:.4f}); budget {report.budget:g}x -> {band.band:.4f} nats",
     ]
+    bf16 = str(get_recipe("bf16"))
     for i, a in enumerate(report.attempts, 1):
         verdict = "inside" if a.inside else "OUTSIDE"
         raised = f" after raising {', '.join(a.raised)}" if a.raised else ""
-        lines.append(f"verification {i}{raised}: tail {a.gap:+.4f} nats against bf16, {verdict} the band")
+        if a.recipe == bf16:          # every layer bf16: the reference itself, not trained again
+            lines.append(f"try {i}{raised}: every layer bf16, the reference itself (nothing to verify)")
+        else:
+            lines.append(f"verification {i}{raised}: tail {a.gap:+.4f} nats against bf16, {verdict} the band")
     if report.contrast is not None:
         c = report.contrast
         lines.append(f"contrast, {c.format} on every planned layer that takes it: tail {c.gap:+.4f} nats against "
