@@ -128,3 +128,30 @@ def test_mixtral_fp8_experts_compile_fullgraph_to_the_eager_losses():
     torch._dynamo.reset()
     compiled, _ = _train(_mixtral(), "fp8", 3, compiled=True)
     assert compiled == eager
+
+
+@pytest.mark.slow       # a plan's six short trainings of a tiny Mixtral: ~25 s on a loaded 2-core CPU
+def test_a_plan_keeps_the_unmeasured_experts_bf16_and_says_so():
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from mixprec.diagnostics.speed_model import TARGETS
+    from mixprec.lab.plan import plan_model
+    from mixprec.lab.plan.render import plan_lines
+
+    free = dataclasses.replace(TARGETS["h100"], name="free-h100", hbm_tb_s=1e9)   # fp8 pays at any size
+    ids = torch.randint(0, 64, (32, 17), generator=torch.Generator().manual_seed(1))
+    report = plan_model(_mixtral, lambda params: torch.optim.AdamW(params, lr=1e-3), ids[:, :-1], ids[:, 1:],
+                        lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()), target=free,
+                        batch_size=8, steps=8, floor_db=10)
+    experts = tuple(f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj"))
+    assert report.not_planned == experts and report.accepted
+    assert any(lay.format == "current" for lay in report.layers)        # per-tensor: it would swap experts
+    assert all(name in report.recipe for name in experts)
+    assert any(line.startswith("not planned, kept bf16 by skip=: model.layers.0.mlp.experts.gate_up_proj")
+               for line in plan_lines(report))
+    model = _mixtral()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), report.recipe)
+    reasons = {d.name: d.reason for d in mp.fp8_report.layers if d.groups > 1}
+    assert reasons == dict.fromkeys(experts, Fp8Reason.SKIP)

@@ -11,6 +11,10 @@ rule the layer meets; a format left out is named with the reason::
 
 ``rows`` (tokens per step, M) are counted from one forward (``count_rows``), so the costs are those of
 the workload's real GEMMs.
+
+A mixture of experts' grouped GEMMs (Hugging Face experts modules, which per-tensor fp8 swaps) are not
+candidates yet: the what-if measures linear layers only. ``unplanned_experts`` names them, and a plan's
+recipe keeps them in bf16 through ``skip=`` (else a per-tensor plan would put them in fp8 unmeasured).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from torch import nn
 
 from ...diagnostics.speed_model import LinearCost, LinearShape, Target, linear_cost
 from ...fp8.conv1d import is_hf_conv1d
+from ...fp8.experts import experts_blocker, expert_projections, is_hf_experts
 
-__all__ = ["LOW_FORMATS", "WHAT_IF_NAMES", "PlanLayer", "plan_layers", "count_rows", "eligible_linears"]
+__all__ = ["LOW_FORMATS", "WHAT_IF_NAMES", "PlanLayer", "plan_layers", "count_rows", "eligible_linears",
+           "unplanned_experts"]
 
 # The low-precision formats a plan considers (recipe/fp8.py's scaling words; ``delayed`` computes what
 # ``current`` does from older amaxes, so the plan proposes ``current``), and the doctor's what-if names.
@@ -59,6 +65,13 @@ def eligible_linears(model: nn.Module) -> dict[str, nn.Module]:
             if n % 16 == 0 and k % 16 == 0:
                 out[name] = m
     return out
+
+
+def unplanned_experts(model: nn.Module) -> tuple[str, ...]:
+    """The projections (``model.layers.0.mlp.experts.down_proj``) of every experts module the fp8 swap
+    could run as grouped fp8 GEMMs: the plan keeps them bf16 (they are not measured)."""
+    return tuple(f"{name}.{proj}" for name, m in model.named_modules()
+                 if name and is_hf_experts(m) and experts_blocker(m) is None for proj, *_ in expert_projections(m))
 
 
 def count_rows(model: nn.Module, forward: Callable[[], object]) -> dict[str, int]:

@@ -120,15 +120,16 @@ def raise_most_sensitive(layers: tuple[PlanLayer, ...], evidence: dict[str, dict
     return picks, frozenset(banned), raised
 
 
-def recipe_for(picks: dict[str, Pick]) -> Recipe:
+def recipe_for(picks: dict[str, Pick], keep: tuple[str, ...] = ()) -> Recipe:
     """bf16 with the low-precision layers in fp8: the most common format leads, the others are
-    ``layers=`` rules, the planned layers kept bf16 are ``skip=``; exact names, in model order."""
+    ``layers=`` rules, the planned layers kept bf16 are ``skip=``; exact names, in model order.
+    ``keep``: names outside the plan that the fp8 swap would take (expert projections), skipped too."""
     low = {n: p.format for n, p in picks.items() if p.format != "bf16"}
     if not low:
         return get_recipe("bf16")
     lead = collections.Counter(low.values()).most_common(1)[0][0]
     rules = tuple((n, Fp8Scaling(f)) for n, f in low.items() if f != lead)
-    skip = tuple(n for n, p in picks.items() if p.format == "bf16")
+    skip = tuple(n for n, p in picks.items() if p.format == "bf16") + tuple(keep)
     return get_recipe(f"bf16,fp8={Fp8Config(scaling=Fp8Scaling(lead), skip=skip, layers=rules)}")
 
 

@@ -48,6 +48,9 @@ def plan_lines(report: PlanReport) -> list[str]:
         f"band: fp32 from seeds {report.seed} and {report.seed + 1} ended {band.spread:.4f} nats apart over "
         f"{report.steps} steps (floor {band.floor:.4f}); budget {report.budget:g}x -> {band.band:.4f} nats",
     ]
+    if report.not_planned:
+        lines.append(f"not planned, kept bf16 by skip=: {', '.join(report.not_planned)} (grouped expert GEMMs: "
+                     "the what-if measures linear layers only)")
     bf16 = str(get_recipe("bf16"))
     for i, a in enumerate(report.attempts, 1):
         verdict = "inside" if a.inside else "OUTSIDE"

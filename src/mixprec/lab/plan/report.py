@@ -19,6 +19,7 @@ JSON schema, version 1 (strict JSON, through ``lab/codec.py``)::
     attempts               per verification: recipe, losses, gap (tail - bf16 tail), inside, raised
     accepted               bool
     seconds                float     wall time of the whole plan, here
+    not_planned            [str] (added within version 1): grouped expert GEMMs the plan keeps bf16 unmeasured
     contrast               null, or (added within version 1) {format, recipe, losses, gap, inside}: one
                            format on every planned layer that takes it, trained lockstep (``--contrast``)
 """
@@ -90,7 +91,7 @@ class BandReport:
 class PlanReport(JsonReport):
     """The plan of one workload for one target; ``table``/``html`` render it, ``to_json`` keeps it."""
 
-    SCHEMA: ClassVar[Schema] = Schema("plan", 1, added=frozenset({"contrast"}))
+    SCHEMA: ClassVar[Schema] = Schema("plan", 1, added=frozenset({"contrast", "not_planned"}))
 
     workload: str
     target: str
@@ -113,6 +114,7 @@ class PlanReport(JsonReport):
     accepted: bool
     seconds: float
     contrast: Contrast | None = None
+    not_planned: tuple[str, ...] = ()
 
     @property
     def verified(self) -> Attempt | None:

@@ -42,7 +42,7 @@ from ...model_io import predictions
 from ..trainer import batch_order, check_seed, check_steps
 from ..workload import Split, Workload
 from ..workloads import get_workload
-from .candidates import LOW_FORMATS, PlanLayer, count_rows, plan_layers
+from .candidates import LOW_FORMATS, PlanLayer, count_rows, plan_layers, unplanned_experts
 from .choose import BF16_EVIDENCE, LayerEvidence, Pick, choose, raise_most_sensitive, recipe_for, what_if_evidence
 from .evidence import GRAD_SNR_THRESHOLD, LayerMeasure, capture_what_if, fp32_band, gradient_snr, lockstep, tail
 from .report import Attempt, BandReport, Contrast, FormatEvidence, PlanLayerReport, PlanReport
@@ -69,6 +69,7 @@ class PlanSetup:
     layers: tuple[PlanLayer, ...]
     measures: tuple[tuple[str, LayerMeasure], ...] = ()
     contrast: str | None = None
+    kept: tuple[str, ...] = ()                # fp8-eligible weights the plan does not measure: kept bf16
 
 
 def plan_setup(workload: str | Workload = "gpt", *, target: str | Target = "h100", steps: int = DEFAULT_STEPS,
@@ -103,7 +104,7 @@ def plan_setup(workload: str | Workload = "gpt", *, target: str | Target = "h100
     if contrast is not None:
         _check_contrast(contrast, target_spec, layers)
     return PlanSetup(workload, target_spec, device, steps, seed, float(floor_db), float(budget), retries, layers,
-                     tuple(measures), contrast)
+                     tuple(measures), contrast, unplanned_experts(model))
 
 
 def _check_contrast(fmt: object, target: Target, layers: tuple[PlanLayer, ...]) -> None:
@@ -142,7 +143,7 @@ def run_plan(setup: PlanSetup, on_progress: Callable[[str], None] | None = None)
     raised: list[str] = []
     plan_run = bf16
     for attempt in range(s.retries + 1):
-        recipe = recipe_for(picks)
+        recipe = recipe_for(picks, s.kept)
         if all(p.format == "bf16" for p in picks.values()):
             # Nothing low-precision left: the recipe is bf16 itself, the reference (nothing to verify).
             # Accepted only when bf16 is what the speed model prefers, not where a faster format failed
@@ -171,7 +172,7 @@ def _contrast(s: PlanSetup, bf16, band, attempts: list[Attempt], say: Callable[[
     """``s.contrast`` on every planned layer that takes it, lockstep with bf16 (a verification that
     already trained that recipe is reused: same seed, same losses)."""
     recipe = str(recipe_for({lay.name: Pick(s.contrast if s.contrast in lay.candidates else "bf16", "")
-                             for lay in s.layers}))
+                             for lay in s.layers}, s.kept))
     losses = next((a.losses for a in attempts if a.recipe == recipe), None)
     if losses is None:
         say(f"contrast: {recipe}")
@@ -260,7 +261,8 @@ def _report(s: PlanSetup, band, bf16, plan_run, bf16_step_s, evidence, picks, at
         step_ratio=plan_step / bf16_step_s if bf16_step_s > 0 else math.nan,
         linear_ratio=plan_lin / bf16_lin if bf16_lin > 0 else math.nan, bf16_step_s=bf16_step_s,
         saved_bytes_bf16=bf16.saved_bytes, saved_bytes_plan=plan_run.saved_bytes,
-        bf16_losses=bf16.losses, attempts=attempts, accepted=accepted, seconds=seconds, contrast=contrast)
+        bf16_losses=bf16.losses, attempts=attempts, accepted=accepted, seconds=seconds, contrast=contrast,
+        not_planned=s.kept)
 
 
 def plan_model(make_model: Callable[[], nn.Module], make_optimizer: Callable, x: torch.Tensor,
