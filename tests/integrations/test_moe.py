@@ -130,28 +130,61 @@ def test_mixtral_fp8_experts_compile_fullgraph_to_the_eager_losses():
     assert compiled == eager
 
 
-@pytest.mark.slow       # a plan's six short trainings of a tiny Mixtral: ~25 s on a loaded 2-core CPU
-def test_a_plan_keeps_the_unmeasured_experts_bf16_and_says_so():
+def _plan(floor_db: float):
     import dataclasses
 
     import torch.nn.functional as F
 
     from mixprec.diagnostics.speed_model import TARGETS
     from mixprec.lab.plan import plan_model
-    from mixprec.lab.plan.render import plan_lines
 
     free = dataclasses.replace(TARGETS["h100"], name="free-h100", hbm_tb_s=1e9)   # fp8 pays at any size
     ids = torch.randint(0, 64, (32, 17), generator=torch.Generator().manual_seed(1))
-    report = plan_model(_mixtral, lambda params: torch.optim.AdamW(params, lr=1e-3), ids[:, :-1], ids[:, 1:],
-                        lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()), target=free,
-                        batch_size=8, steps=8, floor_db=10)
-    experts = tuple(f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj"))
-    assert report.not_planned == experts and report.accepted
-    assert any(lay.format == "current" for lay in report.layers)        # per-tensor: it would swap experts
-    assert all(name in report.recipe for name in experts)
-    assert any(line.startswith("not planned, kept bf16 by skip=: model.layers.0.mlp.experts.gate_up_proj")
-               for line in plan_lines(report))
+    return plan_model(_mixtral, lambda params: torch.optim.AdamW(params, lr=1e-3), ids[:, :-1], ids[:, 1:],
+                      lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()), target=free,
+                      batch_size=8, steps=8, floor_db=floor_db)
+
+
+EXPERTS = tuple(f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj"))
+
+
+def _expert_reasons(recipe: str) -> dict:
     model = _mixtral()
-    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), report.recipe)
-    reasons = {d.name: d.reason for d in mp.fp8_report.layers if d.groups > 1}
-    assert reasons == dict.fromkeys(experts, Fp8Reason.SKIP)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), recipe)
+    return {d.name: d.reason for d in mp.fp8_report.layers if d.groups > 1}
+
+
+def test_a_plan_measures_the_experts_as_one_grouped_layer_each_and_spells_them_in_its_recipe():
+    # At a 10 dB floor every layer passes per-tensor fp8: the experts measured at the module (~21 dB,
+    # gradient SNR 5-7), costed as two grouped GEMMs over 4 experts, and swapped by the recipe.
+    report = _plan(10)
+    experts = [lay for lay in report.layers if lay.groups > 1]
+    assert [lay.name for lay in experts] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for lay in experts:
+        assert lay.groups == 4 and (lay.out_features, lay.in_features) == (256, 64) and lay.rows == 8 * 16 * 2
+        assert lay.candidates == ("bf16", "current") and lay.excluded["rowwise"].startswith("grouped expert GEMMs")
+        assert 10 < lay.evidence["current"].sqnr_db < 40 and lay.evidence["current"].grad_snr > 2
+        assert lay.format == "current"
+    assert report.accepted and _expert_reasons(report.recipe) == dict.fromkeys(EXPERTS, Fp8Reason.SWAPPED)
+    # Above their SQNR the experts stay bf16: both projections skipped (else the per-tensor lead swaps them).
+    report = _plan(21.5)
+    assert all(lay.format == "bf16" for lay in report.layers if lay.groups > 1)
+    assert any(lay.format == "current" for lay in report.layers)
+    assert _expert_reasons(report.recipe) == dict.fromkeys(EXPERTS, Fp8Reason.SKIP)
+
+
+def test_experts_in_per_tensor_fp8_under_a_blocked_lead_get_a_rule_for_the_module_and_its_projections():
+    from mixprec.lab.plan.choose import Pick, recipe_for
+    picks = {"model.layers.0.self_attn.q_proj": Pick("rowwise", ""), "lm_head": Pick("rowwise", ""),
+             "model.layers.0.mlp.experts": Pick("current", ""), "model.layers.1.mlp.experts": Pick("bf16", "")}
+    experts = {f"model.layers.{i}.mlp.experts": EXPERTS[2 * i:2 * i + 2] for i in (0, 1)}
+    recipe = str(recipe_for(picks, experts=experts))
+    assert "layers=model.layers.0.mlp.experts*:current" in recipe
+    reasons = _expert_reasons(recipe)
+    # An experts module no counted forward called is not planned: named, and kept bf16 by skip=.
+    from mixprec.lab.plan.candidates import unplanned_experts
+    assert unplanned_experts(_mixtral(), {"model.layers.0.mlp.experts": 256}) == EXPERTS[2:]
+    assert _expert_reasons(str(recipe_for({"lm_head": Pick("current", "")}, keep=EXPERTS[2:]))) == {
+        **dict.fromkeys(EXPERTS[:2], Fp8Reason.SWAPPED), **dict.fromkeys(EXPERTS[2:], Fp8Reason.SKIP)}
+    # Layer 1's experts stay bf16 (the swap names the rowwise lead before their skip= as the reason).
+    assert reasons == {**dict.fromkeys(EXPERTS[:2], Fp8Reason.SWAPPED), **dict.fromkeys(EXPERTS[2:], Fp8Reason.SCALING)}

@@ -99,12 +99,15 @@ def get_target(name: str) -> Target:
 
 @dataclasses.dataclass(frozen=True)
 class LinearShape:
-    """A linear layer's GEMM sizes in one step: ``m`` rows (tokens), ``n`` out and ``k`` in features."""
+    """A linear layer's GEMM sizes in one step: ``m`` rows (tokens), ``n`` out and ``k`` in features.
+    ``groups`` > 1: a grouped GEMM (a mixture of experts' projection): ``m`` routed rows over ``groups``
+    weights of (n, k) each, all read, cast and (their gradients) written every step."""
 
     name: str
     m: int
     n: int
     k: int
+    groups: int = 1
 
     @property
     def flops(self) -> int:
@@ -133,18 +136,18 @@ def linear_cost(target: Target, shape: LinearShape, fmt: str) -> LinearCost:
     if fmt != "bf16" and fmt not in target.kernels:
         raise ValueError(f"{target.name} has no tensor-core kernel for {fmt} (it has: "
                          f"{', '.join(target.kernels)}); that format would run emulated there")
-    m, n, k = shape.m, shape.n, shape.k
+    m, n, k, nk = shape.m, shape.n, shape.k, shape.n * shape.k * shape.groups      # nk: every weight element
     per = _BITS[fmt] / 8 + _SCALE_BYTES[fmt]                # bytes per stored element, scales included
     family = "blackwell" if "fp4" in target.tflops else "hopper"
     peak = target.peak(fmt) * EFFICIENCY.get((family, fmt), 1.0)
     bw = target.hbm_tb_s * 1e12
     gemm_s, gemm_bytes = 0.0, 0.0
     # (operand a elements, operand b elements, output elements, output bytes per element)
-    for a, b, out, out_b in ((m * k, n * k, m * n, 2), (m * n, n * k, m * k, 2), (m * n, m * k, n * k, 4)):
+    for a, b, out, out_b in ((m * k, nk, m * n, 2), (m * n, nk, m * k, 2), (m * n, m * k, nk, 4)):
         moved = (a + b) * per + out * out_b
         gemm_s += max(2 * m * n * k / peak, moved / bw)
         gemm_bytes += moved
-    x, w, g = m * k, n * k, m * n
+    x, w, g = m * k, nk, m * n
     if fmt == "bf16":
         cast_bytes = w * (4 + 2)                            # fp32 weight -> bf16, once a step
     else:

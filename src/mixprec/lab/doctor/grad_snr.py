@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ...engine import Fp8EmulationWarning, MixedPrecision
+from ...fp8.experts import expert_projections, is_hf_experts
 from ...loss_scale import NoLossScale
 from .what_if import GRAD_SNR_FLOOR, WhatIfReport
 
@@ -86,10 +87,19 @@ def _weight_grads(build_model: Callable[[], nn.Module], state: Mapping[str, torc
     inv = None if isinstance(mp.loss_scale, NoLossScale) else mp.loss_scale.value.reciprocal()
     grads = {}
     for name in layers:
-        g = modules[name].weight.grad
-        g = torch.zeros_like(modules[name].weight) if g is None else g.to(torch.float32)
+        g = _layer_grad(modules[name])
         grads[name] = g * inv if inv is not None else g     # true units: 1/S is a power of two
     return grads
+
+
+def _layer_grad(module: nn.Module) -> torch.Tensor:
+    """A linear's weight gradient in fp32 (zeros when it got none); an experts module's two projections'
+    gradients, flattened end to end."""
+    weights = ([getattr(module, p) for p, *_ in expert_projections(module)] if is_hf_experts(module)
+               else [module.weight])
+    grads = [torch.zeros_like(w, dtype=torch.float32) if w.grad is None else w.grad.to(torch.float32)
+             for w in weights]
+    return grads[0] if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
 
 
 @torch.no_grad()

@@ -12,9 +12,9 @@ rule the layer meets; a format left out is named with the reason::
 ``rows`` (tokens per step, M) are counted from one forward (``count_rows``), so the costs are those of
 the workload's real GEMMs.
 
-A mixture of experts' grouped GEMMs (Hugging Face experts modules, which per-tensor fp8 swaps) are not
-candidates yet: the what-if measures linear layers only. ``unplanned_experts`` names them, and a plan's
-recipe keeps them in bf16 through ``skip=`` (else a per-tensor plan would put them in fp8 unmeasured).
+A mixture of experts' grouped GEMMs (Hugging Face experts modules) are candidates too, one per module
+(the swap takes both projections or neither), in bf16 or per-tensor fp8, the one scaling grouped GEMMs
+take (``experts.py``: their rows, costs and evidence). ``projections`` names what ``skip=`` takes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 
 from ...diagnostics.speed_model import LinearCost, LinearShape, Target, linear_cost
 from ...fp8.conv1d import is_hf_conv1d
-from ...fp8.experts import experts_blocker, expert_projections, is_hf_experts
+from .experts import EXPERTS_EXCLUDED, experts_costs, experts_rows_hook, planned_experts, projection_names
 
 __all__ = ["LOW_FORMATS", "WHAT_IF_NAMES", "PlanLayer", "plan_layers", "count_rows", "eligible_linears",
            "unplanned_experts"]
@@ -51,9 +51,15 @@ class PlanLayer:
     candidates: tuple[str, ...]               # "bf16" first, then the low formats the target runs here
     excluded: dict[str, str]                  # low format -> why it is not a candidate
     costs: dict[str, LinearCost]              # per candidate, predicted on the target
+    parts: tuple[LinearShape, ...] = ()       # an experts module's two projections (groups = experts)
 
     def cost(self, fmt: str) -> float:
         return self.costs[fmt].seconds
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """An experts module's projection names (what skip= takes); () for a linear."""
+        return tuple(p.name for p in self.parts)
 
 
 def eligible_linears(model: nn.Module) -> dict[str, nn.Module]:
@@ -67,11 +73,11 @@ def eligible_linears(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def unplanned_experts(model: nn.Module) -> tuple[str, ...]:
-    """The projections (``model.layers.0.mlp.experts.down_proj``) of every experts module the fp8 swap
-    could run as grouped fp8 GEMMs: the plan keeps them bf16 (they are not measured)."""
-    return tuple(f"{name}.{proj}" for name, m in model.named_modules()
-                 if name and is_hf_experts(m) and experts_blocker(m) is None for proj, *_ in expert_projections(m))
+def unplanned_experts(model: nn.Module, rows: dict[str, int]) -> tuple[str, ...]:
+    """The projections of experts modules the swap could take but the counted forward never called:
+    no rows, nothing to plan; a plan's recipe keeps them bf16 (``skip=``) rather than unmeasured fp8."""
+    return tuple(p for name, m in planned_experts(model).items() if name not in rows
+                 for p in projection_names(name, m))
 
 
 def count_rows(model: nn.Module, forward: Callable[[], object]) -> dict[str, int]:
@@ -86,6 +92,8 @@ def count_rows(model: nn.Module, forward: Callable[[], object]) -> dict[str, int
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    handles += [m.register_forward_hook(experts_rows_hook(n, rows), with_kwargs=True)
+                for n, m in planned_experts(model).items()]
     try:
         with torch.no_grad():
             forward()
@@ -115,4 +123,13 @@ def plan_layers(model: nn.Module, rows: dict[str, int], target: Target) -> tuple
             candidates.append(fmt)
         out.append(PlanLayer(name, shape, tuple(candidates), excluded,
                              {fmt: linear_cost(target, shape, fmt) for fmt in candidates}))
-    return tuple(out)
+    for name, m in planned_experts(model).items():
+        if name not in rows:
+            continue
+        excluded = {fmt: EXPERTS_EXCLUDED if fmt in target.kernels else f"no {fmt} kernel on {target.name}"
+                    for fmt in LOW_FORMATS if fmt != "current"}
+        candidates = ("bf16", "current")        # every target runs per-tensor fp8
+        shape, parts, costs = experts_costs(name, m, rows[name], target, candidates)
+        out.append(PlanLayer(name, shape, candidates, excluded, costs, parts))
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return tuple(sorted(out, key=lambda lay: order[lay.name]))

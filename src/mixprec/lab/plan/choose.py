@@ -120,16 +120,20 @@ def raise_most_sensitive(layers: tuple[PlanLayer, ...], evidence: dict[str, dict
     return picks, frozenset(banned), raised
 
 
-def recipe_for(picks: dict[str, Pick], keep: tuple[str, ...] = ()) -> Recipe:
+def recipe_for(picks: dict[str, Pick], keep: tuple[str, ...] = (),
+               experts: dict[str, tuple[str, ...]] | None = None) -> Recipe:
     """bf16 with the low-precision layers in fp8: the most common format leads, the others are
     ``layers=`` rules, the planned layers kept bf16 are ``skip=``; exact names, in model order.
-    ``keep``: names outside the plan that the fp8 swap would take (expert projections), skipped too."""
+    ``experts``: experts modules among the picks, with their projections' names: kept bf16 by skipping
+    both, given a rule by ``NAME*`` (the module and its projections). ``keep``: names outside the plan
+    that the fp8 swap would take (unplanned expert projections), skipped too."""
+    experts = experts or {}
     low = {n: p.format for n, p in picks.items() if p.format != "bf16"}
     if not low:
         return get_recipe("bf16")
     lead = collections.Counter(low.values()).most_common(1)[0][0]
-    rules = tuple((n, Fp8Scaling(f)) for n, f in low.items() if f != lead)
-    skip = tuple(n for n, p in picks.items() if p.format == "bf16") + tuple(keep)
+    rules = tuple((f"{n}*" if n in experts else n, Fp8Scaling(f)) for n, f in low.items() if f != lead)
+    skip = tuple(s for n, p in picks.items() if p.format == "bf16" for s in experts.get(n, (n,))) + tuple(keep)
     return get_recipe(f"bf16,fp8={Fp8Config(scaling=Fp8Scaling(lead), skip=skip, layers=rules)}")
 
 

@@ -42,6 +42,7 @@ from ..doctor.grad_snr import gradient_snr as doctor_gradient_snr
 from ..doctor.what_if import LayerWhatIf, WhatIfCapture
 from ..trainer import batch_order
 from ..workloads import Workload
+from .experts import ExpertsCapture, planned_experts, projection_names
 
 __all__ = ["Lockstep", "lockstep", "tail", "Band", "fp32_band", "WorkloadDiverges", "LayerMeasure", "gradient_snr",
            "GRAD_SNR_THRESHOLD", "capture_what_if"]
@@ -144,15 +145,20 @@ def fp32_band(workload: Workload, *, steps: int, seed: int, device: torch.device
 
 
 @contextlib.contextmanager
-def capture_what_if(model: nn.Module, into: dict, weights: dict | None = None) -> Iterator[None]:
+def capture_what_if(model: nn.Module, into: dict, weights: dict | None = None,
+                    experts_into: dict | None = None) -> Iterator[None]:
     """The doctor's what-if for every linear of ``model`` over one forward and backward, stored in
-    ``into`` by layer name; ``weights`` (if given) gets a copy of the model's state as the step began."""
+    ``into`` by layer name; ``weights`` (if given) gets a copy of the model's state as the step began;
+    ``experts_into`` (if given) each experts module's per-tensor fp8 evidence (``experts.py``)."""
     if weights is not None:
         weights.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     capture = WhatIfCapture(model)
-    with capture.capturing():
+    experts = ExpertsCapture(model)
+    with capture.capturing(), experts.capturing():
         yield
     into.update({layer.name: layer for layer in capture.layers()})
+    if experts_into is not None:
+        experts_into.update(experts.evidence())
 
 
 # The gradient signal-to-noise ratio below which a format's weight gradients stop pointing the way
@@ -167,6 +173,7 @@ def gradient_snr(workload: Workload, weights: dict, fmt: str, *, step: int, seed
     gradient and ``g_fmt`` the gradient with every planned layer in ``fmt`` (the whole model run under
     it, so errors that propagate through the backward count), at the same ``weights`` and batch
     (``step`` of the lockstep order): the doctor's ``grad_snr.gradient_snr`` on the workload's model.
+    An experts module's name stands for both its projections (their gradients together).
     One forward and backward per recipe; nothing is trained."""
     data = workload.load_data().to(device)
     idx = batch_order(len(data.y_train), workload.batch_size, steps, seed)[step].to(device)
@@ -179,6 +186,8 @@ def gradient_snr(workload: Workload, weights: dict, fmt: str, *, step: int, seed
             return workload.build_model()
 
     recipe = f"bf16,fp8={fmt}"
+    experts = planned_experts(build())
+    fp8 = names + [p for n in names if n in experts for p in projection_names(n, experts[n])]
     snr = doctor_gradient_snr(build, weights, lambda model: workload.loss_fn(predictions(model(x)), y), [recipe],
-                              layers=names, device=device, seed=seed, fp8_layers=names)
+                              layers=names, device=device, seed=seed, fp8_layers=fp8)
     return {n: snr[n][recipe].snr for n in names}

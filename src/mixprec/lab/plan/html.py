@@ -10,7 +10,7 @@ from html import escape
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .render import plan_lines
+from .render import plan_lines, weight_cell
 from .report import PlanReport
 
 __all__ = ["render_plan_html"]
@@ -23,7 +23,7 @@ def render_plan_html(report: PlanReport) -> str:
     for lay in report.layers:
         evidence = ", ".join(f"{f} {e.sqnr_db:.1f} dB / {e.grad_snr:.1f}{'' if e.passes else ' (fails)'}"
                              for f, e in lay.evidence.items())
-        cells = (lay.name, f"({lay.out_features}, {lay.in_features})", lay.rows, f"{lay.flops_share:.0%}",
+        cells = (lay.name, weight_cell(lay), lay.rows, f"{lay.flops_share:.0%}",
                  lay.format, evidence or "-", f"{lay.plan_s / lay.bf16_s:.2f}x" if lay.bf16_s else "-", lay.why)
         rows.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")
     table = ("<table><thead><tr>" + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr></thead><tbody>"

@@ -10,11 +10,16 @@ from rich.table import Table
 from ...recipe import get_recipe
 from .report import PlanReport
 
-__all__ = ["render_plan", "plan_lines"]
+__all__ = ["render_plan", "plan_lines", "weight_cell"]
 
 
 def _db(x: float) -> str:
     return "inf" if x == math.inf else "-" if not math.isfinite(x) else f"{x:.1f}"
+
+
+def weight_cell(lay) -> str:
+    """(out, in); an experts module's as experts x (out, in) of its first projection."""
+    return (f"{lay.groups} x " if lay.groups > 1 else "") + f"({lay.out_features}, {lay.in_features})"
 
 
 def render_plan(report: PlanReport) -> Table:
@@ -28,7 +33,7 @@ def render_plan(report: PlanReport) -> Table:
     for lay in report.layers:
         evidence = " ".join(f"{f}:{_db(e.sqnr_db)}/{_db(e.grad_snr)}{'' if e.passes else '✗'}"
                             for f, e in lay.evidence.items())
-        table.add_row(lay.name, f"({lay.out_features}, {lay.in_features})", str(lay.rows),
+        table.add_row(lay.name, weight_cell(lay), str(lay.rows),
                       f"{lay.flops_share:.0%}", lay.format, evidence or "-",
                       f"{lay.plan_s / lay.bf16_s:.2f}x" if lay.bf16_s else "-", lay.why)
     return table
@@ -50,7 +55,7 @@ def plan_lines(report: PlanReport) -> list[str]:
     ]
     if report.not_planned:
         lines.append(f"not planned, kept bf16 by skip=: {', '.join(report.not_planned)} (grouped expert GEMMs: "
-                     "the what-if measures linear layers only)")
+                     "the counted forward never called them)")
     bf16 = str(get_recipe("bf16"))
     for i, a in enumerate(report.attempts, 1):
         verdict = "inside" if a.inside else "OUTSIDE"

@@ -9,7 +9,8 @@ JSON schema, version 1 (strict JSON, through ``lab/codec.py``)::
     band                   {losses_a, losses_b, spread, floor, band}: fp32 from two seeds
     layers                 per planned linear, model order: name, out_features, in_features, rows,
                            format, why, flops_share, bf16_s, plan_s (predicted), candidates,
-                           excluded {format: why}, evidence {format: {sqnr_db, saturated, passes, grad_snr}}
+                           excluded {format: why}, evidence {format: {sqnr_db, saturated, passes, grad_snr}},
+                           groups (added within version 1: an experts module's experts; 1 for a linear)
     recipe                 str       the accepted recipe ("" when none was accepted)
     step_ratio             float     predicted step time of the recipe / bf16's, on the target
     linear_ratio           float     the same over the planned linears only
@@ -19,7 +20,7 @@ JSON schema, version 1 (strict JSON, through ``lab/codec.py``)::
     attempts               per verification: recipe, losses, gap (tail - bf16 tail), inside, raised
     accepted               bool
     seconds                float     wall time of the whole plan, here
-    not_planned            [str] (added within version 1): grouped expert GEMMs the plan keeps bf16 unmeasured
+    not_planned            [str] (added within version 1): expert projections no counted forward called: kept bf16
     contrast               null, or (added within version 1) {format, recipe, losses, gap, inside}: one
                            format on every planned layer that takes it, trained lockstep (``--contrast``)
 """
@@ -56,6 +57,7 @@ class PlanLayerReport:
     candidates: tuple[str, ...]
     excluded: dict[str, str]
     evidence: dict[str, FormatEvidence]
+    groups: int = 1         # an experts module: its experts (out, in: its first projection's, per expert)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,7 @@ class BandReport:
 class PlanReport(JsonReport):
     """The plan of one workload for one target; ``table``/``html`` render it, ``to_json`` keeps it."""
 
-    SCHEMA: ClassVar[Schema] = Schema("plan", 1, added=frozenset({"contrast", "not_planned"}))
+    SCHEMA: ClassVar[Schema] = Schema("plan", 1, added=frozenset({"contrast", "not_planned", "layers[].groups"}))
 
     workload: str
     target: str

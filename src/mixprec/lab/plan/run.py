@@ -104,7 +104,7 @@ def plan_setup(workload: str | Workload = "gpt", *, target: str | Target = "h100
     if contrast is not None:
         _check_contrast(contrast, target_spec, layers)
     return PlanSetup(workload, target_spec, device, steps, seed, float(floor_db), float(budget), retries, layers,
-                     tuple(measures), contrast, unplanned_experts(model))
+                     tuple(measures), contrast, unplanned_experts(model, rows))
 
 
 def _check_contrast(fmt: object, target: Target, layers: tuple[PlanLayer, ...]) -> None:
@@ -126,24 +126,25 @@ def run_plan(setup: PlanSetup, on_progress: Callable[[str], None] | None = None)
     say(f"fp32 from seeds {s.seed} and {s.seed + 1}: the band")
     band = fp32_band(w, steps=s.steps, seed=s.seed, device=s.device, budget=s.budget)
     say("bf16 lockstep: the reference, the what-if on its last step, one step costed on the target")
-    what_if, weights = {}, {}
+    what_if, weights, experts = {}, {}, {}
     profile: list = []
     bf16 = lockstep(w, "bf16", steps=s.steps, seed=s.seed, device=s.device,
-                    last_step=lambda model: capture_what_if(model, what_if, weights),
+                    last_step=lambda model: capture_what_if(model, what_if, weights, experts),
                     first_step=lambda mp: profile.append(_profile(w, mp, s)))
     snr: dict[str, dict[str, float]] = {}
     for fmt in dict.fromkeys(f for lay in s.layers for f in lay.candidates if f != "bf16"):
         say(f"{fmt}: end-to-end weight-gradient SNR against fp32, per layer")
         snr[fmt] = gradient_snr(w, weights, fmt, step=s.steps - 1, seed=s.seed, steps=s.steps, device=s.device,
                                 layers=[lay.name for lay in s.layers if fmt in lay.candidates])
-    evidence = {lay.name: _layer_evidence(lay, what_if.get(lay.name), s, snr) for lay in s.layers}
+    evidence = {lay.name: _layer_evidence(lay, what_if.get(lay.name), experts.get(lay.name), s, snr)
+                for lay in s.layers}
     picks = choose(s.layers, evidence, s.floor_db)
     banned: frozenset = frozenset()
     attempts: list[Attempt] = []
     raised: list[str] = []
     plan_run = bf16
     for attempt in range(s.retries + 1):
-        recipe = recipe_for(picks, s.kept)
+        recipe = recipe_for(picks, s.kept, _experts(s))
         if all(p.format == "bf16" for p in picks.values()):
             # Nothing low-precision left: the recipe is bf16 itself, the reference (nothing to verify).
             # Accepted only when bf16 is what the speed model prefers, not where a faster format failed
@@ -172,7 +173,7 @@ def _contrast(s: PlanSetup, bf16, band, attempts: list[Attempt], say: Callable[[
     """``s.contrast`` on every planned layer that takes it, lockstep with bf16 (a verification that
     already trained that recipe is reused: same seed, same losses)."""
     recipe = str(recipe_for({lay.name: Pick(s.contrast if s.contrast in lay.candidates else "bf16", "")
-                             for lay in s.layers}, s.kept))
+                             for lay in s.layers}, s.kept, _experts(s)))
     losses = next((a.losses for a in attempts if a.recipe == recipe), None)
     if losses is None:
         say(f"contrast: {recipe}")
@@ -216,15 +217,29 @@ def _adam_seconds(model: nn.Module, target: Target) -> float:
     return 4 * 4 * n / (target.hbm_tb_s * 1e12)
 
 
-def _layer_evidence(layer: PlanLayer, what_if, s: PlanSetup, snr: dict) -> dict[str, LayerEvidence]:
+def _weight(lay: PlanLayer) -> tuple[int, int]:
+    """(out, in) features: a linear's weight, or an experts module's first projection per expert."""
+    shape = lay.parts[0] if lay.parts else lay.shape
+    return shape.n, shape.k
+
+
+def _experts(s: PlanSetup) -> dict[str, tuple[str, ...]]:
+    return {lay.name: lay.projections for lay in s.layers if lay.projections}
+
+
+def _layer_evidence(layer: PlanLayer, what_if, experts_ev: LayerEvidence | None, s: PlanSetup,
+                    snr: dict) -> dict[str, LayerEvidence]:
     out = {"bf16": BF16_EVIDENCE}
     for fmt in layer.candidates:
         if fmt == "bf16":
             continue
-        if what_if is None:                   # the layer got no gradient in the captured step
+        if layer.projections:                 # an experts module: measured at the module (experts.py)
+            ev = experts_ev if experts_ev is not None else LayerEvidence(fmt, -math.inf, -math.inf, 0.0)
+        elif what_if is None:                 # the layer got no gradient in the captured step
             out[fmt] = LayerEvidence(fmt, -math.inf, -math.inf, 0.0)
             continue
-        ev = what_if_evidence(what_if, fmt)
+        else:
+            ev = what_if_evidence(what_if, fmt)
         g = snr.get(fmt, {}).get(layer.name, math.inf)
         extra, ok = {"grad_snr": g}, g >= GRAD_SNR_THRESHOLD
         for name, measure in s.measures:
@@ -244,11 +259,11 @@ def _report(s: PlanSetup, band, bf16, plan_run, bf16_step_s, evidence, picks, at
         bf16_lin += lay.cost("bf16")
         plan_lin += lay.cost(fmt)
         rows.append(PlanLayerReport(
-            lay.name, lay.shape.n, lay.shape.k, lay.shape.m, shown.format, shown.why,
+            lay.name, *_weight(lay), lay.shape.m, shown.format, shown.why,
             lay.shape.flops / flops if flops else 0.0, lay.cost("bf16"), lay.cost(shown.format),
             lay.candidates, dict(lay.excluded),
             {f: FormatEvidence(e.sqnr_db, e.saturated, e.passes(s.floor_db), e.extra.get("grad_snr", math.inf))
-             for f, e in evidence[lay.name].items() if f != "bf16"}))
+             for f, e in evidence[lay.name].items() if f != "bf16"}, lay.parts[0].groups if lay.parts else 1))
     # The rest of the step (attention, norms, the optimizer): the profiled bf16 step less its linears,
     # which the profile may count with fewer GEMMs (a first layer computes no input gradient): >= 0.
     rest = max(bf16_step_s - bf16_lin, 0.0)
