@@ -293,3 +293,42 @@ for _k in ("pair", "nested", "lstm", "gru", "router", "router-aux"):
     add("per-layer", f"{_k}: per-layer accepted and exact against scale=dynamic", lambda k=_k: _per_layer_exact(k))
     add("per-layer", f"{_k}: fp16,scale=per-layer trains", lambda k=_k: _per_layer_fp16(k))
 add("per-layer", "a parameter used outside its module: still refused, naming it", _still_refused)
+
+
+def _router_resumes() -> Outcome:
+    import tempfile
+    from pathlib import Path
+
+    from mixprec import load_checkpoint, save_checkpoint
+
+    def make():
+        torch.manual_seed(0)
+        model = _Model("router-aux")
+        return MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "fp16,scale=per-layer")
+
+    def steps(mp, seeds):
+        for s in seeds:
+            g = torch.Generator().manual_seed(s)
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+            with mp.autocast():
+                logits, aux = mp.model(x)
+                loss = F.cross_entropy(logits, y) + 0.1 * aux
+            mp.backward(loss)
+            mp.step()
+            mp.zero_grad()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ck.pt"
+        a = make()
+        steps(a, range(3))
+        save_checkpoint(path, a)
+        steps(a, range(3, 6))
+        b = make()
+        load_checkpoint(path, b)
+        steps(b, range(3, 6))
+    return correct(all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+                   and list(b.loss_scale.pinned) == ["gate"],
+                   "a run with the router kept at S resumes from its checkpoint bit for bit (router kept at S again)")
+
+
+add("per-layer", "router: fp16 per-layer resumes bit for bit", _router_resumes)
