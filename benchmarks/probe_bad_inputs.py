@@ -15,11 +15,13 @@ altered (and a correct checksum), ``mixprec compare --threads 9999``. Each ends 
     unclear error      refused, but the message does not name the mistake
     partial change     refused only after something was changed
 
-The cases live in five modules beside this one: ``probe_cases_api.py`` (recipes, the engine's
+The cases live in six modules beside this one: ``probe_cases_api.py`` (recipes, the engine's
 arguments), ``probe_cases_loop.py`` (the training loop, diagnostics), ``probe_cases_ckpt.py``
 (checkpoints, crafted payloads), ``probe_cases_cli.py`` (the ``mixprec`` command line, in process
 and a few as real processes) and ``probe_cases_truth.py`` (issue 33: the user's changes, values in
-checkpoints, empty fp8 batches, skipped fp8 steps, a binding clip). This module holds the outcome rules and the runner::
+checkpoints, empty fp8 batches, skipped fp8 steps, a binding clip), ``probe_cases_small.py`` (issue
+33 continued: the fp8 scale's rounding, the what-if on odd dims, nvfp4 zero blocks, per-layer scale on
+tuples and routers). This module holds the outcome rules and the runner::
 
     .venv/bin/python benchmarks/probe_bad_inputs.py              # the table and the totals
     .venv/bin/python benchmarks/probe_bad_inputs.py -k ckpt -v   # one area, with each case's detail
@@ -286,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     import probe_cases_ckpt  # noqa: F401
     import probe_cases_cli  # noqa: F401
     import probe_cases_truth  # noqa: F401
+    import probe_cases_small  # noqa: F401
     chosen = [c for c in CASES if args.k in c.area or args.k in c.name]
     totals: Counter[str] = Counter()
     start = time.perf_counter()

@@ -584,3 +584,43 @@ def test_mxfp8_equals_rowwise_except_where_rowwise_goes_subnormal(axis):
     err_row, err_mx = (row - x).abs(), (mx - x).abs()
     assert (err_mx <= err_row).all()                       # never worse, element by element
     assert (err_mx < err_row).any()                        # and better where rowwise went subnormal
+
+
+def _negative_zeros(t: torch.Tensor) -> int:
+    return int((torch.signbit(t) & (t == 0)).sum())
+
+
+@pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_an_all_zero_nvfp4_block_decodes_to_plus_zero(role, axis, stochastic):
+    # An all-zero tile's max(hi, -lo) was -0 (torch.maximum(+0, -0)), so nvfp4's e4m3 code and decode
+    # were -0 and the block's +0 values decoded to -0.0; fp32's 0 * scale is +0.
+    from mixprec.fp8 import Fp8Config
+    from mixprec.fp8.blocked_linear import blocked_recipe
+    how = getattr(blocked_recipe(Fp8Config.parse("nvfp4")), role)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(48, 64, generator=g)
+    x[:, :16] = 0.0                          # whole 16-blocks along dim 1 and whole 16x16 tiles
+    x[:16, :] = 0.0                          # whole blocks along dim 0
+    zero = x == 0
+    signs = torch.tensor([1.0, -1.0] * 8)
+    for operand in (x, random_hadamard(x, signs, axis)):     # the gradient casts transform first
+        noise = (torch.randint(0, 2**16, x.shape, generator=g, dtype=torch.int32) if stochastic else None)
+        q, d = quantize_blocked(operand, how, axis, noise=noise)
+        assert _negative_zeros(d) == 0 and (d == 0).any()       # zero blocks: code 0, decode +0
+        deq = dequantize_blocked(q, d, how, axis)
+        fake = fake_quantize_blocked(operand, how, axis, noise=noise)
+        assert torch.equal(deq, fake)
+        assert _negative_zeros(deq[zero]) == 0 and _negative_zeros(fake[zero]) == 0
+        assert bool((deq[zero] == 0).all())
+    # A block of -0.0 keeps its sign, as fp32's (-0) * scale does.
+    neg = torch.full((16, 16), -0.0)
+    q, d = quantize_blocked(neg, how, axis)
+    assert _negative_zeros(dequantize_blocked(q, d, how, axis)) == neg.numel() and _negative_zeros(d) == 0
+
+
+@pytest.mark.parametrize("scale", ["fp32", "pow2", "e8m0"])
+def test_a_zero_block_of_the_other_scales_gets_decode_one(scale):
+    q, d = quantize_blocked(torch.zeros(4, 64), BlockScaling(FP8_E4M3, 32, scale=scale), 1)
+    assert torch.equal(d, torch.ones(4, 2)) and _negative_zeros(q) == 0

@@ -342,3 +342,44 @@ def test_table_and_whole_model_line(outlier_report, base_report):
     assert most == ("fp8", ("2",))        # fp8 per tensor: all but the outlier layer
     lines = what_if_lines(report)
     assert lines[0].startswith("what-if: a layer tolerates a format when") and "20 dB" in lines[0]
+
+
+# ------------------------------------------------------------------ layers the fp8 swap cannot take
+def _odd_report(model, k):
+    torch.manual_seed(1)
+    x = torch.randn(256, k)
+    capture = WhatIfCapture(model, max_rows=4096)
+    with capture.capturing():
+        model(x).square().sum().backward()
+    return measure_what_if(capture, WhatIfOptions(grad_snr=False), step=1)
+
+
+def test_no_recipe_is_advised_for_a_model_whose_layers_the_fp8_swap_cannot_take(base_report):
+    # Odd dims: the what-if measures them (fp8 tolerated: Gaussian data), but --recipe fp8 would swap
+    # nothing (weight dims must be multiples of 16), so the whole-model line must not advise it.
+    torch.manual_seed(0)
+    w = _odd_report(nn.Sequential(nn.Linear(33, 7), nn.ReLU(), nn.Linear(7, 5)), 33)
+    assert [layer.swappable for layer in w.layers] == [False, False]
+    assert w.layers[0].result("fp8").tolerated(w.floor_db)          # measured fine, cannot be swapped
+    assert model_formats(w) == (None, None)
+    lines = what_if_lines(dataclasses.replace(base_report, what_if=w))
+    assert not any("--recipe" in line for line in lines), lines
+    assert "no fp8 recipe can take any of its 2 measured layer(s)" in lines[-1]
+    assert "'0' (7, 33): pad to (16, 48)" in lines[-1] and "'2' (5, 7): pad to (16, 16)" in lines[-1]
+    assert "but no fp8 recipe can take this layer" in next(line for line in lines if "what-if '0'" in line)
+    # The swap agrees: it takes neither layer, for the reason the what-if gives.
+    from mixprec.fp8.swap import Fp8Reason, swap_to_fp8
+    swap = swap_to_fp8(nn.Sequential(nn.Linear(33, 7), nn.ReLU(), nn.Linear(7, 5)), Fp8Config(),
+                       backend="emulate")
+    assert [d.reason for d in swap.layers] == [Fp8Reason.SHAPE, Fp8Reason.SHAPE]
+
+
+def test_a_mixed_model_is_advised_on_the_layers_the_swap_can_take(base_report):
+    torch.manual_seed(0)
+    w = _odd_report(nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 5)), 32)
+    assert [layer.swappable for layer in w.layers] == [True, False]
+    everyone, _ = model_formats(w)
+    assert everyone is not None and w.layers[0].result(everyone).tolerated(w.floor_db)
+    line = what_if_lines(dataclasses.replace(base_report, what_if=w))[-1]
+    assert line.startswith(f"what-if, whole model: every layer the fp8 swap can take (1) tolerates {everyone}")
+    assert "1 layer(s) stay in the base precision under any fp8 recipe" in line and "'2' (5, 48)" in line

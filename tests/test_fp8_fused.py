@@ -65,7 +65,27 @@ def test_fused_cast_writes_both_layouts_of_the_same_fp8_values():
     assert q.dtype == torch.float8_e4m3fn and q.shape == (24, 40) and q.is_contiguous()
     assert q_t.shape == (40, 24) and q_t.is_contiguous() and torch.equal(q_t.float(), q.float().t())
     amax_x = x.abs().max()
-    assert float(amax) == float(amax_x) and torch.equal(s, 448.0 / amax_x)     # the fp32 quotient, recorded
+    # the correctly rounded fp32 quotient (float64's rounded once more), recorded
+    assert float(amax) == float(amax_x) and float(s) == float(torch.tensor(448.0 / float(amax_x)).float())
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["current", "delayed"])
+def test_compiled_scale_is_the_correctly_rounded_quotient(delayed):
+    # Inductor could lower fmax / amax as reciprocal-then-multiply (two roundings, one ulp off in about
+    # a quarter of amaxes); the compiled cast must give fl32(fmax / amax) like the eager one.
+    from mixprec.formats import FP8_E4M3
+    g = torch.Generator().manual_seed(33)
+    base = torch.randn(4, 8, generator=g)
+    factors = torch.exp(torch.randn(150, generator=g, dtype=torch.float64) * 6).float()
+    wrong = []
+    for f in factors:
+        x = base * f
+        history = torch.zeros(2) if delayed else None
+        _, _, s, amax = fused_mod.fused_cast(x, torch.ones(()), torch.zeros(()), history, FP8_E4M3,
+                                             algo="max", margin=0, pow2=False, record=False, want_t=False)
+        want = torch.tensor(448.0 / float(amax)).float()       # float64 quotient, rounded once to fp32
+        wrong += [] if torch.equal(s, want) else [(float(amax), float(s), float(want))]
+    assert not wrong, f"{len(wrong)} of {len(factors)} scales off, e.g. {wrong[:3]}"
 
 
 def test_a_compiler_failure_falls_back_to_the_eager_casts_with_one_notice(monkeypatch):

@@ -34,6 +34,35 @@ def test_e5m2_uses_its_own_max():
     assert current_scale(T(7.0), FP8_E5M2).item() == 57344.0 / 7.0 == 8192.0
 
 
+def _correctly_rounded_scales(amax, fmt, margin, pow2):
+    """fl32(fmax / amax) from a float64 quotient (exact to 2**-53, so its fp32 rounding is the correctly
+    rounded one: fp32's halfway points need 25 bits, a quotient of two 24-bit numbers is never one),
+    capped at 2**64, divided by 2**margin, then floored to 2**k when pow2."""
+    q = (fmt.max / amax.double()).clamp(max=2.0**64).float() * 2.0**-margin
+    if pow2:
+        q = torch.exp2(torch.floor(torch.log2(q.double()))).float()      # exact on fp32 inputs
+    return q
+
+
+@pytest.mark.parametrize("fmt", [FP8_E4M3, FP8_E5M2], ids=["e4m3", "e5m2"])
+def test_scale_is_the_correctly_rounded_quotient_for_many_amaxes(fmt):
+    # fmax / amax as Tensor.__rtruediv__ (reciprocal, then * fmax: two roundings) is one ulp off the
+    # correctly rounded quotient for about a quarter of amaxes; the scale must be the one rounding.
+    g = torch.Generator().manual_seed(33)
+    amax = torch.exp(torch.randn(4000, generator=g, dtype=torch.float64) * 12).float()   # ~1e-23 .. 1e23
+    amax = amax[(amax > 0) & torch.isfinite(amax)]
+    assert (amax < fmt.max * 2.0**-64).any()              # some hit the 2**64 cap
+    for margin, pow2 in ((0, False), (1, False), (0, True)):
+        want = _correctly_rounded_scales(amax, fmt, margin, pow2)
+        got = current_scale(amax, fmt, margin=margin, pow2=pow2)
+        assert torch.equal(got, want), (margin, pow2, int((got != want).sum()))
+        # delayed scaling: the same quotient from a history whose max is that amax
+        got_d = torch.stack([delayed_scale(torch.stack([a / 4, a, torch.zeros(())]), torch.zeros(()),
+                                           torch.ones(()), fmt, algo="max", margin=margin, pow2=pow2)
+                             for a in amax[:300]])
+        assert torch.equal(got_d, want[:300]), (margin, pow2, int((got_d != want[:300]).sum()))
+
+
 def _walk(amaxes, **kwargs):
     history, scale, scales = torch.zeros(3), T(1.0), []
     for a in amaxes:

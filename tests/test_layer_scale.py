@@ -436,3 +436,98 @@ def test_the_compiled_step_updates_the_layer_factors_in_its_graph():
     assert int(states[0][0]["skipped"]) == 1
     for a, b in zip(states[0][1].values(), states[1][1].values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------ tuple outputs, nested tuples, a Mixtral-style router
+class Pair(nn.Module):
+    """Returns ((a, b), c): three slices of one product, each used by the parent."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, 3 * d * d).reshape(3 * d, d))
+
+    def forward(self, x):
+        a, b, c = F.linear(x, self.w).chunk(3, -1)
+        return (a, b), c
+
+
+class Router(nn.Module):
+    """HF Mixtral's MixtralTopKRouter: returns its logits and the top-k weights made from them (in place)."""
+
+    def __init__(self, d, experts=4, k=2):
+        super().__init__()
+        self.k = k
+        self.weight = nn.Parameter(torch.randn(experts, d) * 0.5)
+
+    def forward(self, h):
+        logits = F.linear(h, self.weight)
+        top, index = torch.topk(F.softmax(logits.float(), dim=-1), self.k, dim=-1)
+        top /= top.sum(dim=-1, keepdim=True)
+        return logits, top, index
+
+
+class Routed(nn.Module):
+    """A tuple-returning layer and a sparse MoE block (router, top-k, experts); ``aux``: the router's
+    logits also feed a load-balancing loss in the parent (HF's output_router_logits)."""
+
+    def __init__(self, d=8, aux=True):
+        super().__init__()
+        self.aux = aux
+        self.pair = Pair(d)
+        self.gate = Router(d)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):                                   # (B, d) -> (logits (B, 3), aux loss)
+        (a, b), c = self.pair(x)
+        h = a * torch.sigmoid(b) + c
+        logits, top, index = self.gate(h)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(index == e)
+            out = out.index_add(0, rows, expert(h[rows]) * top[rows, slot, None])
+        aux = logits.softmax(-1).mean(0).square().sum() if self.aux else h.new_zeros(())
+        return self.head(out + h), aux
+
+
+def _routed_grads(recipe, aux, factors=None, steps=2):
+    torch.manual_seed(0)
+    model = Routed(aux=aux)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.05), recipe)
+    if factors is not None:
+        mp.loss_scale.factors.copy_(torch.tensor(factors))
+        torch.reciprocal(mp.loss_scale.factors, out=mp.loss_scale.inverses)
+    g = torch.Generator().manual_seed(3)
+    grads = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        with mp.autocast():
+            logits, aux = model(x)
+            loss = F.cross_entropy(logits, y) + 0.1 * aux
+        mp.backward(loss)
+        mp.step()                           # unscales the gradients in place (fp32 weights), then steps
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()} | {"loss": loss.detach()})
+        mp.zero_grad()
+    return mp, grads
+
+
+@pytest.mark.parametrize("aux", [True, False], ids=["logits-used-by-parent", "logits-used-inside-only"])
+def test_tuple_outputs_and_a_mixtral_router_train_as_the_global_scale_exactly(aux):
+    # fp32 compute: powers of two scale exactly, so whatever the factors the gradients must be
+    # scale=dynamic's bit for bit. The router feeds its own top-k weights from its logits: no factor but
+    # 1 is exact there, so it is kept at S (pinned, with a warning naming it); the others keep theirs.
+    _, reference = _routed_grads("params=fp32,compute=fp32,scale=dynamic", aux)
+    with pytest.warns(UserWarning, match=r"keeps layer 'gate' at the global scale"):
+        mp, grads = _routed_grads("params=fp32,compute=fp32,scale=per-layer", aux,
+                                  factors=[2.0**15, 2.0**9, 8.0, 64.0, 2.0, 4.0, 2.0**12])
+    names = [layer.name for layer in mp.loss_scale.layers]
+    assert names == ["pair", "gate", "experts.0", "experts.1", "experts.2", "experts.3", "head"]
+    assert list(mp.loss_scale.pinned) == ["gate"]
+    assert mp.loss_scale.layer_factors()["gate"] == 1.0     # the first step's update left it pinned
+    for step, (got, want) in enumerate(zip(grads, reference)):
+        assert [k for k in want if not torch.equal(got[k], want[k])] == [], step
+    assert sum(1 for h in mp.loss_scale._hooks if h.id in model_hook_ids(mp.model)) == 2 * (len(names) - 1)
+
+
+def model_hook_ids(model):
+    return {hid for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks) for hid in d}

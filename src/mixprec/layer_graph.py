@@ -4,8 +4,9 @@ A *layer* is a module that owns trainable parameters directly and has no descend
 sharing a parameter (a tied embedding and head) form one. ``find_layers`` lists them; ``check_graph``
 walks the first backward's autograd graph once and refuses a model whose gradients would mix the global
 scale S and a layer's S*r (a parameter used outside its module's forward, a tensor made inside a layer
-used outside it by another path than the layer's outputs). The rest are helpers the forward hooks use
-to find the tensors in a module's inputs and outputs.
+used outside it by another path than the layer's outputs); a layer whose outputs feed each other raises
+``OutputsFeedEachOther``, which ``layer_scale`` answers by keeping that layer at S. The rest are helpers
+the forward hooks use to find the tensors in a module's inputs and outputs.
 
     >>> [layer.name for layer in find_layers(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1)))]
     ['0', '2']
@@ -20,7 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Layer", "find_layers", "check_graph", "made_at", "tensors_in", "map_tensors"]
+__all__ = ["Layer", "find_layers", "check_graph", "OutputsFeedEachOther", "made_at", "tensors_in", "map_tensors"]
+
+
+class OutputsFeedEachOther(ValueError):
+    """A layer uses one of its own outputs inside its forward to make another output (HF Mixtral's router
+    returns its logits and the top-k weights computed from them). The output's gradient then sums what
+    comes back from the parent (at S) and from inside the layer (at S*r) before the factor at that output
+    applies: no factor r but 1 scales that layer exactly. ``layer``: its index."""
+
+    def __init__(self, layer: int, message: str) -> None:
+        super().__init__(message)
+        self.layer = layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +117,11 @@ def check_graph(root: Any, enter: dict[tuple[Any, int], int], leave: dict[Any, i
         for nxt, nr in node.next_functions:
             if nxt is not None:
                 i = enter.get((nxt, nr))
+                if i is not None and marks and marks[-1] == i:
+                    raise OutputsFeedEachOther(i, _refusal(
+                        f"{describe((i,), None)} uses a tensor it returns (made by {nxt.name()}) inside its "
+                        "own forward to make another of its outputs, so that tensor's gradient would sum a "
+                        "part at S (from the parent) and a part at S*r (from inside the layer)"))
                 stack.append((nxt, marks if i is None else marks + (i,)))
 
 

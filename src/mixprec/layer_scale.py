@@ -41,22 +41,25 @@ min/max reads of the gradients entering and leaving it, the step one max-norm an
 weight gradients (fp16-pure keeps its fp32 gradient copies whole for it): on the lab's gpt (CPU, one
 thread) a step costs 1.06x scale=dynamic's under fp16, 1.20x under fp32 compute. The first backward walks
 the autograd graph once (``check_graph``) and refuses, naming the parameter, a model that would mix
-scales (a parameter used outside its module's forward). Under ``torch.compile`` on torch 2.13 the hooks
-compile (``fullgraph=True``) and the walk is skipped; torch 2.15's dynamo refuses a tensor hook that
-writes into a buffer (the peaks), so there only ``mp.compile_step()`` compiles, not the model.
+scales (a parameter used outside its module's forward); a layer that makes one of its outputs from
+another (Mixtral's router: logits and the top-k weights made from them) is kept at S instead (``_pin``).
+Under ``torch.compile`` on torch 2.13 the hooks compile (``fullgraph=True``) and the walk is skipped;
+torch 2.15's dynamo refuses a tensor hook that writes into a buffer (the peaks), so there only
+``mp.compile_step()`` compiles, not the model.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .grad_sync import SyncKind
-from .layer_graph import Layer, check_graph, find_layers, made_at, map_tensors, tensors_in
+from .layer_graph import Layer, OutputsFeedEachOther, check_graph, find_layers, made_at, map_tensors, tensors_in
 from .loss_scale import DynamicLossScale
 from .recipe import LossScaleConfig, LossScaleKind
 
@@ -96,6 +99,9 @@ class LayerLossScale(DynamicLossScale):
         self.layers: list[Layer] = []
         self._entries: list[tuple[torch.Tensor, int]] = []   # (tensor the optimizer steps, its layer)
         self._hooks: list[Any] = []
+        self._layer_hooks: dict[int, list[Any]] = {}   # each layer's own, to unhook one it pins
+        self.pinned: dict[str, str] = {}               # layers kept at S (factor 1): name -> why
+        self._pinned_at: list[int] = []
         self._engine: MixedPrecision | None = None
         self._recording = True        # until the first step: graph marks for check_graph
         self._refused = ""             # check_graph's refusal, once it refused
@@ -143,11 +149,13 @@ class LayerLossScale(DynamicLossScale):
         self._names = {id(p): n for n, p in engine.model.named_parameters()}
         self._layer_of = layer_of
         for i, layer in enumerate(self.layers):
+            own = self._layer_hooks.setdefault(i, [])
             for module in layer.modules:
-                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._wrap_inputs, i),
-                                                                    with_kwargs=True))
-                self._hooks.append(module.register_forward_hook(functools.partial(self._hook_outputs, i),
-                                                                with_kwargs=True))
+                own.append(module.register_forward_pre_hook(functools.partial(self._wrap_inputs, i),
+                                                            with_kwargs=True))
+                own.append(module.register_forward_hook(functools.partial(self._hook_outputs, i),
+                                                        with_kwargs=True))
+            self._hooks.extend(own)
         self._engine = engine
 
     def remove_hooks(self) -> None:
@@ -212,10 +220,15 @@ class LayerLossScale(DynamicLossScale):
         """``loss * S``; on the first backward after the layers were marked, ``check_graph`` first (a
         refusal stands: every later call raises it again)."""
         if self._enter and loss.grad_fn is not None:
-            ran = set(self._enter.values())
             try:
-                check_graph(loss.grad_fn, self._enter, self._leave,
-                            functools.partial(self._expected, ran), self._describe)
+                while True:
+                    ran = set(self._enter.values())
+                    try:
+                        check_graph(loss.grad_fn, self._enter, self._leave,
+                                    functools.partial(self._expected, ran), self._describe)
+                        break
+                    except OutputsFeedEachOther as exc:     # keep that layer at S, prove the rest again
+                        self._pin(exc.layer)
             except ValueError as exc:
                 self._refused = str(exc)
             finally:
@@ -223,6 +236,28 @@ class LayerLossScale(DynamicLossScale):
         if self._refused:
             raise ValueError(self._refused)
         return super().scale(loss)
+
+    def _pin(self, i: int) -> None:
+        """Keep layer ``i`` at the global scale S for good: its factor 1 (the hooks already in this graph
+        read it in place, so they multiply by 1 in this very backward, which has not run yet), its marks
+        out of the graph being proved, its hooks off the model. Its weights then train exactly as under
+        scale=dynamic; the other layers keep their factors."""
+        name = self.layers[i].name
+        self.factors[i] = 1.0
+        self.inverses[i] = 1.0
+        self._enter = {k: v for k, v in self._enter.items() if v != i}
+        self._leave = {k: v for k, v in self._leave.items() if v != i}
+        for handle in self._layer_hooks.pop(i, []):
+            handle.remove()
+        self._pinned_at.append(i)
+        self._pin_mask = torch.zeros_like(self.factors, dtype=torch.bool)
+        self._pin_mask[self._pinned_at] = True
+        self.pinned[name] = ("it uses a tensor it returns inside its own forward to make another of its "
+                             "outputs (a router's logits and the top-k weights made from them)")
+        warnings.warn(f"scale=per-layer keeps layer {name!r} at the global scale (factor 1, as scale=dynamic): "
+                      f"{self.pinned[name]}, so part of that tensor's gradient would be scaled twice; "
+                      "every other layer keeps its own factor (mp.loss_scale.pinned lists these)",
+                      UserWarning, stacklevel=4)
 
     def _forget_graph(self) -> None:
         self._recording = False
@@ -301,6 +336,8 @@ class LayerLossScale(DynamicLossScale):
         target = _pow2_floor(room).clamp(1.0, self.max_factor)
         new = torch.where(due, target, factors)
         new = torch.where(pays, (factors * self._backoff).clamp(min=1.0), new)
+        if self._pinned_at:                  # their hooks ran in the backward that pinned them, not since
+            new = torch.where(self._pin_mask, 1.0, new)
         reset = due | pays
         self.layer_clean.copy_(torch.where(reset, 0, count))
         self.layer_peak.copy_(torch.where(reset, 0.0, peak))

@@ -188,3 +188,36 @@ def test_experts_in_per_tensor_fp8_under_a_blocked_lead_get_a_rule_for_the_modul
         **dict.fromkeys(EXPERTS[:2], Fp8Reason.SWAPPED), **dict.fromkeys(EXPERTS[2:], Fp8Reason.SKIP)}
     # Layer 1's experts stay bf16 (the swap names the rowwise lead before their skip= as the reason).
     assert reasons == {**dict.fromkeys(EXPERTS[:2], Fp8Reason.SWAPPED), **dict.fromkeys(EXPERTS[2:], Fp8Reason.SCALING)}
+
+
+@pytest.mark.parametrize("router_logits", [False, True], ids=["no-aux-loss", "aux-loss"])
+def test_per_layer_scale_takes_mixtral_with_its_router_at_the_global_scale(router_logits):
+    # The router (MixtralTopKRouter) returns its logits and the top-k weights made from them, so it is
+    # kept at S (a factor there would scale part of its logits' gradient twice); every other layer keeps
+    # a factor. In fp32 powers of two are exact: any factors give the gradients of factors 1 bit for bit.
+    # Against scale=dynamic they agree to fp32 rounding only: the layers' input views change the order
+    # in which autograd sums a tensor's several uses (q, k and v read one input).
+    grads = {}
+    for run, (scale, factors) in {"dynamic": ("dynamic", None), "ones": ("per-layer", None),
+                                  "factors": ("per-layer", "pow2")}.items():
+        model = _mixtral(output_router_logits=router_logits, router_aux_loss_coef=0.1)
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                    f"params=fp32,compute=fp32,scale={scale}")
+        if factors:
+            n = len(mp.loss_scale.layers)
+            mp.loss_scale.factors.copy_(2.0 ** torch.arange(n).remainder(15).float())
+            torch.reciprocal(mp.loss_scale.factors, out=mp.loss_scale.inverses)
+        with mp.autocast():
+            loss = model(input_ids=IDS, labels=IDS).loss
+        if scale == "per-layer":
+            with pytest.warns(UserWarning, match=r"keeps layer 'model\.layers\.0\.mlp\.gate' at the global"):
+                mp.backward(loss)
+            assert sorted(mp.loss_scale.pinned) == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+        else:
+            mp.backward(loss)
+        mp.step()                               # unscales the fp32 gradients in place
+        grads[run] = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert grads["dynamic"].keys() == grads["ones"].keys() == grads["factors"].keys()
+    assert [k for k in grads["ones"] if not torch.equal(grads["ones"][k], grads["factors"][k])] == []
+    for k, g in grads["dynamic"].items():
+        torch.testing.assert_close(grads["factors"][k], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()))

@@ -198,7 +198,9 @@ def _amax_tiles(xt: torch.Tensor) -> torch.Tensor:
     else:
         lo, hi = torch.aminmax(xt, dim=3)
         lo, hi = lo.amin(dim=1), hi.amax(dim=1)
-    return torch.maximum(hi, -lo).to(torch.float32)                   # maximum propagates NaN
+    # maximum propagates NaN. An all-zero tile has hi = +0 and -lo = -0, and maximum may return -0:
+    # abs_ makes that +0, else nvfp4's zero block got the code -0, a decode of -0 and decoded to -0.0.
+    return torch.maximum(hi, -lo).abs_().to(torch.float32)
 
 
 def _scaled_tiles(x: torch.Tensor, how: BlockScaling, axis: int

@@ -48,7 +48,11 @@ def _usable(amax: torch.Tensor) -> torch.Tensor:
 def _from_amax(amax: torch.Tensor, fmt: Format, margin: int, pow2: bool) -> torch.Tensor:
     """``fmt.max / amax / 2**margin`` in fp32, capped at 2**64; rounded down to 2**k when ``pow2``."""
     # clamp(min=...) keeps the quotient finite for tiny or zero amax (callers replace those anyway).
-    scale = (fmt.max / amax.clamp(min=fmt.max / _MAX_SCALE)) * 2.0**-margin   # * 2**-m is exact
+    # One correctly rounded division: ``fmt.max / tensor`` would go through ``Tensor.__rtruediv__``,
+    # which is ``reciprocal() * fmt.max``, two roundings, one ulp off fl(fmax / amax) in about a
+    # quarter of amaxes. A tensor numerator keeps it a true ``div``, eager and compiled alike.
+    fmax = torch.full_like(amax, fmt.max, dtype=torch.float32)
+    scale = torch.div(fmax, amax.clamp(min=fmt.max / _MAX_SCALE)) * 2.0**-margin   # * 2**-m is exact
     if pow2:
         # frexp: scale = mant * 2**exp with mant in [0.5, 1), so 2**(exp - 1) <= scale exactly;
         # log2 could round up just below a power of two and make x * scale overflow the format.

@@ -44,9 +44,22 @@ from .fsdp_weight import fp8_in_place, unsharded_class
 from .linear import Fp8Linear
 
 __all__ = ["Fp8Reason", "Fp8LayerDecision", "Fp8UncoveredWeight", "Fp8SwapReport", "swap_to_fp8",
-           "resolve_backend", "resolve_backends", "check_fp8_patterns", "none_swapped_reason"]
+           "resolve_backend", "resolve_backends", "check_fp8_patterns", "none_swapped_reason",
+           "shape_takes_fp8", "padded_shape"]
 
 _ALIGN = 16
+
+
+def shape_takes_fp8(out_features: int, in_features: int) -> bool:
+    """Whether the swap can take a linear of weight shape ``(out, in)``: both multiples of 16 (fp8 GEMMs)."""
+    return out_features % _ALIGN == 0 and in_features % _ALIGN == 0
+
+
+def padded_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """``(out, in)`` rounded up to the swap's multiples of 16: the shape to pad a layer to."""
+    return -(-out_features // _ALIGN) * _ALIGN, -(-in_features // _ALIGN) * _ALIGN
+
+
 # How a swapped layer's line names a blocked format (per-tensor fp8 lines keep the bare "fp8").
 _FORMAT_WORDS = {"current": "current e4m3/e5m2, one scale per tensor",
                  "delayed": "delayed e4m3/e5m2, one scale per tensor from an amax history",
@@ -185,11 +198,11 @@ def swap_to_fp8(model: nn.Module, config: Fp8Config, *, backend: str | dict, not
         if reason is Fp8Reason.FORCED and not _swappable(module) and not isinstance(module, Fp8LayerState):
             raise ValueError(f"fp8 forced on {name!r}, a {type(module).__name__}: only plain nn.Linear "
                              "layers and HF Conv1D can be swapped (a subclass's forward would be lost)")
-        if reason is Fp8Reason.FORCED and (out_f % _ALIGN or in_f % _ALIGN):
+        if reason is Fp8Reason.FORCED and not shape_takes_fp8(out_f, in_f):
             raise ValueError(
                 f"fp8 forced on {name!r}, an nn.Linear with weight shape ({out_f}, {in_f}) (out, in): fp8 "
                 f"matmuls need both dimensions to be multiples of {_ALIGN}; pad the layer (e.g. to "
-                f"({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})) or drop it from force=")
+                f"{padded_shape(out_f, in_f)}) or drop it from force=")
         if isinstance(module, Fp8LayerState):
             detail = getattr(module, "fp8_gather_note", "") or detail    # swapped by shard_model
         elif reason in (Fp8Reason.SWAPPED, Fp8Reason.FORCED) and getattr(module, "_is_fsdp_managed_module", False):
@@ -372,8 +385,8 @@ def _decide(i: int, n: int, name: str, module: nn.Module, config: Fp8Config,
         return Fp8Reason.LAST, ""
     if filter is not None and not filter(name, module):
         return Fp8Reason.FILTER, ""
-    if out_f % _ALIGN or in_f % _ALIGN:
-        return Fp8Reason.SHAPE, f"pad to ({-(-out_f // _ALIGN) * _ALIGN}, {-(-in_f // _ALIGN) * _ALIGN})"
+    if not shape_takes_fp8(out_f, in_f):
+        return Fp8Reason.SHAPE, f"pad to {padded_shape(out_f, in_f)}"
     return Fp8Reason.SWAPPED, ""
 
 

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ...fp8.linear import ROLES
+from ...fp8.swap import padded_shape
 from ...recipe import RECIPES
 from .render import percent_text
 from .report import DoctorReport
@@ -112,15 +113,25 @@ def render_what_if_table(report: DoctorReport) -> Table:
 
 
 def model_formats(w: WhatIfReport) -> tuple[str | None, tuple[str, tuple[str, ...]] | None]:
-    """(the cheapest format every layer tolerates or None, (a cheaper format at least half the layers
-    tolerate, the layers that do not) or None); cheapest in ``cost_order``."""
+    """(the cheapest format every layer the fp8 swap can take tolerates or None, (a cheaper format at
+    least half of those layers tolerate, the layers that do not) or None); cheapest in ``cost_order``.
+    Layers the swap cannot take (``LayerWhatIf.swappable``: dims not multiples of 16) stay in the base
+    precision under any fp8 recipe, so they neither choose nor block one; with none left: (None, None)."""
+    layers = [layer for layer in w.layers if layer.swappable]
+    if not layers:
+        return None, None
     order = cost_order(w)
-    refusing = {f: tuple(layer.name for layer in w.layers if not layer.result(f).tolerated(w.floor_db))
+    refusing = {f: tuple(layer.name for layer in layers if not layer.result(f).tolerated(w.floor_db))
                 for f in order}
     everyone = next((f for f in order if not refusing[f]), None)
     cheaper = order[:order.index(everyone)] if everyone is not None else order
-    most = next((f for f in cheaper if 0 < len(refusing[f]) <= len(w.layers) / 2), None)
+    most = next((f for f in cheaper if 0 < len(refusing[f]) <= len(layers) / 2), None)
     return everyone, (most, refusing[most]) if most is not None else None
+
+
+def _unswappable_text(layers) -> str:
+    return ", ".join(f"{layer.name!r} ({layer.out_features}, {layer.in_features}): pad to "
+                     f"{padded_shape(layer.out_features, layer.in_features)}" for layer in layers)
 
 
 def _recipe(fmt: str, skip: tuple[str, ...] = ()) -> str:
@@ -150,17 +161,31 @@ def what_if_lines(report: DoctorReport) -> list[str]:
         why = "; ".join(f"{f}: {_why_not(layer.result(f), w.floor_db)}" for f in chosen)
         head = (f"{best.format} ({best.bits:.2f} bits/element, SQNR {_db(best.sqnr_out_db)}/"
                 f"{_db(best.sqnr_grad_w_db)} dB)" if best else "bf16: no format is tolerated")
-        out.append(f"what-if {layer.name!r}: {head}" + (f" (not {why})" if why else ""))
+        out.append(f"what-if {layer.name!r}: {head}" + (f" (not {why})" if why else "")
+                   + ("" if layer.swappable else
+                      f"; but no fp8 recipe can take this layer: its weight ({layer.out_features}, "
+                      f"{layer.in_features}) (out, in) is not in multiples of 16, so it stays in the base "
+                      f"precision (pad it to {padded_shape(layer.out_features, layer.in_features)})"))
     snr_line = grad_snr_line(w)
     if snr_line:
         out.append(snr_line)
     everyone, most = model_formats(w)
-    line = (f"what-if, whole model: every layer tolerates {everyone} ({_recipe(everyone)})" if everyone
-            else "what-if, whole model: no format suits every layer")
+    fixed = [layer for layer in w.layers if not layer.swappable]
+    if len(fixed) == len(w.layers):
+        out.append(f"what-if, whole model: no fp8 recipe can take any of its {len(w.layers)} measured "
+                   f"layer(s): the fp8 swap needs both weight dimensions (out, in) in multiples of 16 "
+                   f"({_unswappable_text(fixed)}); pad them, or keep a recipe without fp8 (e.g. bf16)")
+        return out
+    some = "every layer" if not fixed else f"every layer the fp8 swap can take ({len(w.layers) - len(fixed)})"
+    line = (f"what-if, whole model: {some} tolerates {everyone} ({_recipe(everyone)})" if everyone
+            else f"what-if, whole model: no format suits {some}")
     if most is not None:
         fmt, skip = most
-        line += (f"; {fmt} suits all but {len(skip)} of {len(w.layers)} layers, which would stay in the base "
-                 f"precision: {_recipe(fmt, skip)}")
+        line += (f"; {fmt} suits all but {len(skip)} of {len(w.layers) - len(fixed)} layers, which would stay "
+                 f"in the base precision: {_recipe(fmt, skip)}")
+    if fixed:
+        line += (f"; {len(fixed)} layer(s) stay in the base precision under any fp8 recipe, their weight "
+                 f"dimensions not multiples of 16: {_unswappable_text(fixed)}")
     out.append(line)
     return out
 

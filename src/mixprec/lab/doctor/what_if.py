@@ -60,6 +60,7 @@ from ...fp8.blockscale import (
 from ...fp8.conv1d import is_hf_conv1d
 from ...fp8.linear import ROLES
 from ...fp8.scaling import amax_f32, current_scale, quantize_fp8
+from ...fp8.swap import shape_takes_fp8
 from ...recipe import RECIPES
 
 __all__ = ["FORMATS", "DEFAULT_FLOOR_DB", "GRAD_SNR_FLOOR", "DEFAULT_MAX_ROWS", "WhatIfOptions", "FormatWhatIf", "LayerWhatIf",
@@ -147,6 +148,12 @@ class LayerWhatIf:
     rows: int                         # rows of x and g measured
     rows_total: int                   # rows the layer saw in that step (M)
     formats: tuple[FormatWhatIf, ...]
+
+    @property
+    def swappable(self) -> bool:
+        """Whether an fp8 recipe's swap can take this layer (both weight dims multiples of 16): the
+        what-if measures any shape, but a layer the swap cannot take stays in the base precision."""
+        return shape_takes_fp8(self.out_features, self.in_features)
 
     def result(self, fmt: str) -> FormatWhatIf:
         """The result of the format named ``fmt`` (a FORMATS name)."""
