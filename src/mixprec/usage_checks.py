@@ -167,11 +167,13 @@ def _autocast_query_ok(device_type: str) -> bool:
         return False
 
 
-_is_compiling = getattr(torch.compiler, "is_compiling", None)   # torch >= 2.3
+def _never_compiling() -> bool:
+    return False
 
 
-def _compiling() -> bool:
-    return _is_compiling is not None and _is_compiling()
+# torch.compiler.is_compiling itself (torch >= 2.3), called straight from the checks: no wrapper call
+# of ours in every step.
+_compiling = getattr(torch.compiler, "is_compiling", None) or _never_compiling
 
 
 class UsageChecks:
