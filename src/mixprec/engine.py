@@ -243,7 +243,7 @@ class MixedPrecision:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * S).backward()``. Call it several times before ``step()`` to accumulate. No sync."""
         check_loss_tensor(loss, "backward")
-        if loss.numel() != 1:
+        if loss.ndim and loss.numel() != 1:     # a 0-d loss (the usual) has one element: no call
             raise ValueError(f"the loss must be a single number, got shape {tuple(loss.shape)}: reduce it "
                              "first, e.g. loss.mean()")
         if not loss.requires_grad:

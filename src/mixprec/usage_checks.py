@@ -127,7 +127,7 @@ def check_loss_tensor(loss: Any, method: str) -> None:
     """TypeError unless ``loss`` is a floating-point tensor (``mp.backward`` and ``mp.scale_loss`` take it)."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"{method}() needs the loss as a tensor, got {type(loss).__name__}")
-    if not loss.is_floating_point():
+    if not loss.dtype.is_floating_point:     # an attribute: no call (mp.backward runs this every step)
         raise TypeError(f"the loss has dtype {loss.dtype}; it must be floating point (compute it "
                         "from the model's output, e.g. with F.cross_entropy)")
 
