@@ -203,10 +203,15 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
 
 def _cast_nest(value: Any, dtype: torch.dtype, scalars_only: bool) -> Any:
     if isinstance(value, torch.Tensor):
-        wanted = value.is_floating_point() and value.dtype != dtype and (value.dim() == 0 or not scalars_only)
+        # The dtype's and the tensor's attributes, not Tensor.is_floating_point() and .dim(): this runs
+        # on the model's inputs and outputs at every step, and each method is one more call.
+        have = value.dtype
+        wanted = have != dtype and have.is_floating_point and (not scalars_only or value.ndim == 0)
         return value.to(dtype) if wanted else value
     if isinstance(value, (list, tuple)):
         cast = [_cast_nest(v, dtype, scalars_only) for v in value]
+        if type(value) is tuple:     # the positional arguments themselves: no namedtuple to look for
+            return tuple(cast)
         return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
     if isinstance(value, dict):
         return _rebuild_dict(value, {k: _cast_nest(v, dtype, scalars_only) for k, v in value.items()})

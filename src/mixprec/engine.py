@@ -45,8 +45,8 @@ from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackwar
 from .master import MasterWeights
 from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
 from .oplists import op_list_mode
-from .optimizer_step import (fused_optimizer_step, fused_step_ok, generic_optimizer_step,
-                             host_fused_optimizer_step, master_whole, optimizer_grads, unscale_and_clip)
+from .optimizer_step import (fused_kernel_for, fused_optimizer_step, generic_optimizer_step,
+                             host_fused_optimizer_step, master_whole, unscale_and_clip)
 from .recipe import Precision, Recipe, get_recipe
 from .engine_args import check_arguments
 from .usage_checks import (UsageChecks, bare_step_reason, check_loss_tensor, check_param_dtypes,
@@ -111,6 +111,7 @@ class MixedPrecision:
         # The recipe decides the weights' dtype: a 16-bit model under 'fp16' would train with no master.
         check_param_dtypes(model, self.recipe, low_precision_params(model, self.recipe))
         self.device = params[0].device
+        self._on_cpu = self.device.type == "cpu"
         support = supports(self.recipe, self.device)
         if not support.ok:
             raise ValueError(f"recipe {self.recipe.label!r} cannot run on {self.device}: {support.reason}")
@@ -169,6 +170,8 @@ class MixedPrecision:
         # these flags rather than asking isinstance at every step.
         self._layer_scale = isinstance(self.loss_scale, LayerLossScale)
         self._dynamic_scale = isinstance(self.loss_scale, DynamicLossScale)
+        self._scaled = not isinstance(self.loss_scale, NoLossScale)    # S may differ from 1
+        self._clip_multiplier: torch.Tensor | None = None    # unscale_and_clip's clip / S, per step
         if self._layer_scale:
             self.loss_scale.attach(self)     # scale=per-layer: hooks on each layer (layer_scale.py)
         self._grad_norm = GradNorm()     # the chunked pure step's norm: 16-bit gradients, no fp32 copies
@@ -184,13 +187,13 @@ class MixedPrecision:
         self._backward_alone = self._nonfinite is None and not sets_tf32
         self._autocast_alone = self._backward_alone and self._op_mode is None and not self._packs_saved
         # Misuse that would train on silently wrong (usage_checks): flags and counters, no host sync.
-        self._checks = UsageChecks(self.recipe, not isinstance(self.loss_scale, NoLossScale), self.device)
+        self._checks = UsageChecks(self.recipe, self._scaled, self.device)
         self._checks.traced = trace_nonfinite
         self._checks.remember_dtype(model)     # model.half() after this point is refused at step()
         # A bare optimizer.step() where only mp.step() steps right (a loss scale, fp32 copies, compact
         # moments) raises; nothing is installed where it is correct (bf16, fp32).
         self._checks.guard_optimizer(optimizer, bare_step_reason(
-            self.recipe, not isinstance(self.loss_scale, NoLossScale), self.master is not None,
+            self.recipe, self._scaled, self.master is not None,
             self.moments is not None))
         # What zero_grad() clears beyond the optimizer's own zero_grad (fp32 copies replaced their weights).
         self._params = list(model.parameters())      # the Parameters stay; fp8 layers share them
@@ -240,7 +243,7 @@ class MixedPrecision:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * S).backward()``. Call it several times before ``step()`` to accumulate. No sync."""
         check_loss_tensor(loss, "backward")
-        if loss.numel() != 1:
+        if loss.ndim and loss.numel() != 1:     # a 0-d loss (the usual) has one element: no call
             raise ValueError(f"the loss must be a single number, got shape {tuple(loss.shape)}: reduce it "
                              "first, e.g. loss.mean()")
         if not loss.requires_grad:
@@ -251,7 +254,8 @@ class MixedPrecision:
             self._saved_compile_check = False
             warn_if_compiled_saves(loss, self.recipe.saved)     # once: saved= stops at compiled regions
         if self._backward_alone:     # no NaN tracing, no TF32 switches: nothing to enter
-            self.loss_scale.scale(loss).backward(**kwargs)
+            # Without a loss scale S is exactly 1 and NoLossScale.scale hands the loss back: not called.
+            (self.loss_scale.scale(loss) if self._scaled else loss).backward(**kwargs)
             return
         with self._nonfinite.tracing(backward=True) if self._nonfinite else contextlib.nullcontext(), \
                 self._fp32_precision():
@@ -300,7 +304,11 @@ class MixedPrecision:
             self.master.begin_step(self.optimizer)   # CPU: the first chunk's fp32 casts are made here
         # What backward made, in the optimizer's order: with fp32 copies stepped in chunks the 16-bit
         # gradients (cast to fp32 chunk by chunk inside the step; on CPU the first chunk's casts).
-        grads = optimizer_grads(self)
+        # optimizer_grads(), inline, with ``whole`` already known.
+        if self.master is not None and not whole:
+            grads = self.master.grads(self.optimizer)
+        else:
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self._layer_scale:
             self.loss_scale.unscale_layers()     # each layer's factor divided out: every gradient at S
         # The scale this step's gradients carry (a copy: the compiled step updates it in place).
@@ -309,17 +317,18 @@ class MixedPrecision:
         if observers:
             for observer in observers.values():
                 observer.before_step(self)      # gradients as backward left them: still scaled by S
-        fused = fused_step_ok(self)
+        kernel = fused_kernel_for(self)     # the optimizer whose fused kernel steps; None: generic
+        fused = kernel is not None
         compiled = self._compiled_step is not None and fused
         if compiled:
             found_inf, grad_norm = self._compiled_step(grads)
             stepped = None      # decided on the device: no host sync
-        elif fused and self.device.type == "cpu":
+        elif fused and self._on_cpu:
             found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
-            stepped = host_fused_optimizer_step(self, divisor, found_inf)   # a CPU read: no wait
+            stepped = host_fused_optimizer_step(self, divisor, found_inf, kernel)   # a CPU read: no wait
         elif fused:
             found_inf, grad_norm, divisor = unscale_and_clip(self, grads)
-            fused_optimizer_step(self, divisor, found_inf.to(torch.float32))
+            fused_optimizer_step(self, divisor, found_inf.to(torch.float32), kernel)
             stepped = None      # decided on the device: no host sync
         else:
             found_inf, grad_norm, divisor = unscale_and_clip(self, grads)

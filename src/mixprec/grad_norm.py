@@ -169,9 +169,11 @@ class GradNorm:
         self._scratch = scratch = torch.empty(total, dtype=torch.float32, device=grads[0].device)
         assert scratch.data_ptr() % _ALIGN == 0, "the CPU allocator aligns to 64 bytes"
         like = [t for g, pad in zip(grads, pads) for t in (g, pad)]
-        shaped = torch._utils._unflatten_dense_tensors(scratch, like)[::2]    # views shaped like grads
+        # Views shaped like grads: torch's C++ unflatten (torch._utils' wrapper is one more call).
+        shaped = torch._C._nn.unflatten_dense_tensors(scratch, like)[::2]
         torch._foreach_copy_(shaped, grads)          # 16-bit -> fp32 is exact: the same values
-        return [torch.dot(v, v) for v in scratch.split(sizes)[::2]]
+        # split_with_sizes, as Tensor.split does with a list, without its six Python calls around it.
+        return [torch.dot(v, v) for v in scratch.split_with_sizes(sizes)[::2]]
 
     def _block_squares(self, g: torch.Tensor) -> list[torch.Tensor]:
         if g.is_sparse:       # nn.Embedding(sparse=True): the coalesced values carry the whole norm

@@ -52,10 +52,8 @@ class _CountingScale:
 
     def update(self, found_inf: torch.Tensor, skipped: bool | None = None) -> None:
         """Count the step and whether it was skipped. ``found_inf`` is a () bool tensor; ``skipped`` the
-        same answer where the host already has it (the generic step synced for it), else None. No sync."""
-        self._count(found_inf, skipped)
-
-    def _count(self, found_inf: torch.Tensor, skipped: bool | None) -> None:
+        same answer where the host already has it (the generic step synced for it), else None. No sync.
+        (Counting is the whole update of a static scale or none: one call per step, not two.)"""
         self.steps += 1
         if skipped is None:
             self.skipped += found_inf   # bool into int64, in place: no cast of its own
@@ -149,7 +147,7 @@ class DynamicLossScale(_CountingScale):
                                  c.growth, c.backoff, c.growth_interval)
         # Powers of two times powers of two stay exact in fp32; the clamp keeps S in [floor, ceiling].
         self.value.clamp_(c.floor, c.ceiling)
-        self._count(found_inf, skipped)
+        _CountingScale.update(self, found_inf, skipped)     # the step and skip counts
 
     def warn_if_at_floor(self) -> None:
         """Warn once if steps were skipped with S already at its floor. Syncs with the host."""

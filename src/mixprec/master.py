@@ -79,7 +79,7 @@ _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32:
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors shaped like ``like``, laid end to end in 1-D ``flat`` (views of it). One C++ call,
     torch's own unflatten as DDP uses it, rather than a view per tensor made from Python."""
-    return list(torch._utils._unflatten_dense_tensors(flat, like)) if like else []
+    return list(torch._C._nn.unflatten_dense_tensors(flat, like)) if like else []   # no wrapper call
 
 
 def _without_grad(fn: Callable) -> Callable:

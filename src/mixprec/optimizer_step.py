@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .grad_norm import global_norm_f32
-from .loss_scale import NoLossScale
 
 if TYPE_CHECKING:
     from .engine import MixedPrecision
 
 __all__ = ["unscale_and_clip", "nonfinite", "divides", "fused_step_ok", "fused_optimizer_step",
            "host_fused_optimizer_step", "generic_optimizer_step", "skip_optimizer_step",
-           "master_whole", "optimizer_grads", "update", "fused_kernel_optimizer"]
+           "master_whole", "optimizer_grads", "update", "fused_kernel_optimizer", "fused_kernel_for"]
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does, so a zero norm gives a
 # finite clip coefficient (clamped to 1 anyway).
@@ -51,11 +50,13 @@ def unscale_and_clip(engine: MixedPrecision, grads: list[torch.Tensor]) -> tuple
     scaled_norm = norm(grads, engine.grad_sync)   # the same on every rank
     found_inf = nonfinite(scaled_norm)
     # S is a power of two (or a user's static value): dividing the norm by it is exact or one rounding;
-    # without a loss scale S is exactly 1 (a Python-level fact of NoLossScale) and nothing is divided.
-    grad_norm = scaled_norm if isinstance(engine.loss_scale, NoLossScale) else scaled_norm / scale
-    # Without a loss scale or clipping there is no division at all (S = 1 exactly, a Python-level
-    # fact of NoLossScale).
-    divisor = scale if divides(engine) else None
+    # without a loss scale S is exactly 1 (a Python-level fact of NoLossScale, read from the flag the
+    # engine set at construction: the loss scale's kind never changes) and nothing is divided.
+    scaled = engine._scaled
+    grad_norm = scaled_norm / scale if scaled else scaled_norm
+    # Without a loss scale or clipping there is no division at all (divides(), inline). The clip is read
+    # at every step: the user may change engine.clip_grad_norm between steps.
+    divisor = scale if scaled or engine.clip_grad_norm is not None else None
     engine._clip_multiplier = None
     if engine.clip_grad_norm is not None:
         clip = (engine.clip_grad_norm / (grad_norm + CLIP_EPS)).clamp(max=1.0)
@@ -77,7 +78,7 @@ def nonfinite(norm: torch.Tensor) -> torch.Tensor:
 
 def divides(engine: MixedPrecision) -> bool:
     """Whether the optimizer must divide the gradients (a loss scale or clipping): a Python fact."""
-    return not isinstance(engine.loss_scale, NoLossScale) or engine.clip_grad_norm is not None
+    return engine._scaled or engine.clip_grad_norm is not None
 
 
 def fused_kernel_optimizer(opt: Any) -> Any:
@@ -103,29 +104,39 @@ def fused_kernel_optimizer(opt: Any) -> Any:
 
 def fused_step_ok(engine: MixedPrecision) -> bool:
     """True when the optimizer can divide, clip and skip inside its own fused kernel."""
+    return fused_kernel_for(engine) is not None
+
+
+def fused_kernel_for(engine: MixedPrecision) -> Any:
+    """The torch optimizer whose fused kernel divides, clips and skips this step (``fused_step_ok``),
+    or None. Asked at every step (the user's optimizer is the truth: its groups' ``fused`` flags, an
+    Accelerate wrapper's sync state); ``step()`` hands the answer on to ``fused_optimizer_step`` rather
+    than asking twice."""
     if engine.moments is not None:        # the engine's own AdamW takes the generic path
-        return False
+        return None
     opt = fused_kernel_optimizer(engine.optimizer)
     if opt is None:
-        return False
+        return None
     for g in opt.param_groups:      # a loop, not all(genexpr): this runs at every step
         if not g.get("fused"):
-            return False
+            return None
     if isinstance(opt, torch.optim.SGD):
         # torch's fused SGD creates its momentum buffers with empty_like on the first step and
         # leaves them uninitialised if that step is skipped: take the generic path until they exist.
-        return all(g["momentum"] == 0 or "momentum_buffer" in opt.state.get(p, {})
-                   for g in opt.param_groups for p in g["params"])
-    return True
+        if not all(g["momentum"] == 0 or "momentum_buffer" in opt.state.get(p, {})
+                   for g in opt.param_groups for p in g["params"]):
+            return None
+    return opt
 
 
 def fused_optimizer_step(engine: MixedPrecision, divisor: torch.Tensor | None,
-                         found_inf_f32: torch.Tensor | None) -> None:
+                         found_inf_f32: torch.Tensor | None, opt: Any = None) -> None:
     """The optimizer divides by ``divisor`` and skips where ``found_inf_f32`` is 1, in its kernel
-    (None: the host has decided to step)."""
+    (None: the host has decided to step). ``opt``: ``fused_kernel_for``'s answer this step, if asked."""
     # Set on the optimizer that owns the kernel; engine.optimizer.step() (a wrapper's, if any) calls it.
-    opt = fused_kernel_optimizer(engine.optimizer)
-    multiplier = getattr(engine, "_clip_multiplier", None)    # clipping: the gradients times clip / S
+    if opt is None:
+        opt = fused_kernel_optimizer(engine.optimizer)
+    multiplier = engine._clip_multiplier    # clipping: the gradients times clip / S (set by unscale_and_clip)
     opt.grad_scale = divisor if multiplier is None else None   # type: ignore[attr-defined]
     opt.found_inf = found_inf_f32                  # type: ignore[attr-defined]
     try:
@@ -138,7 +149,7 @@ def generic_optimizer_step(engine: MixedPrecision, grads: list[torch.Tensor], di
                            found_inf: torch.Tensor) -> bool:
     """Step unless ``found_inf`` (one host sync); returns whether it stepped."""
     stepped = not bool(found_inf)   # the one host sync of the generic path
-    multiplier = getattr(engine, "_clip_multiplier", None)    # clipping: clip / S, exact
+    multiplier = engine._clip_multiplier    # clipping: clip / S, exact
     if stepped:
         update(engine, multiplier if multiplier is not None else None if divisor is None else 1.0 / divisor)
     else:
@@ -147,13 +158,13 @@ def generic_optimizer_step(engine: MixedPrecision, grads: list[torch.Tensor], di
 
 
 def host_fused_optimizer_step(engine: MixedPrecision, divisor: torch.Tensor | None,
-                              found_inf: torch.Tensor) -> bool:
+                              found_inf: torch.Tensor, opt: Any = None) -> bool:
     """The fused path where ``found_inf`` lives on the CPU: reading it waits on nothing, so the host
     decides, as the generic path does, and the kernel gets no ``found_inf`` to test (nor the step
     counts to take back after a skip). Returns whether it stepped."""
     stepped = not bool(found_inf)
     if stepped:
-        fused_optimizer_step(engine, divisor, None)
+        fused_optimizer_step(engine, divisor, None, opt)
     else:
         skip_optimizer_step(engine)
     return stepped

@@ -127,7 +127,7 @@ def check_loss_tensor(loss: Any, method: str) -> None:
     """TypeError unless ``loss`` is a floating-point tensor (``mp.backward`` and ``mp.scale_loss`` take it)."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"{method}() needs the loss as a tensor, got {type(loss).__name__}")
-    if not loss.is_floating_point():
+    if not loss.dtype.is_floating_point:     # an attribute: no call (mp.backward runs this every step)
         raise TypeError(f"the loss has dtype {loss.dtype}; it must be floating point (compute it "
                         "from the model's output, e.g. with F.cross_entropy)")
 
@@ -167,11 +167,13 @@ def _autocast_query_ok(device_type: str) -> bool:
         return False
 
 
-_is_compiling = getattr(torch.compiler, "is_compiling", None)   # torch >= 2.3
+def _never_compiling() -> bool:
+    return False
 
 
-def _compiling() -> bool:
-    return _is_compiling is not None and _is_compiling()
+# torch.compiler.is_compiling itself (torch >= 2.3), called straight from the checks: no wrapper call
+# of ours in every step.
+_compiling = getattr(torch.compiler, "is_compiling", None) or _never_compiling
 
 
 class UsageChecks:
