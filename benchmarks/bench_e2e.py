@@ -172,7 +172,10 @@ def _make_loop(name: str, mode: str, model: Llama, device: torch.device, backend
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")     # the emulation notice on GPUs without fp8
         mp = mixprec.MixedPrecision(model, opt, name, clip_grad_norm=1.0,
-                                    fp8_filter=(lambda n, m: n != "head") if "fp8" in name else None)
+                                    # A named fp8 recipe keeps the head bf16 (as torchao's rows do); a
+                                    # full recipe string (a plan's) says itself where fp8 goes.
+                                    fp8_filter=(lambda n, m: n != "head") if "fp8" in name and "=" not in name
+                                    else None)
     if compiled:
         mp.compile_step(backend=backend)
     fwd = torch.compile(model, backend=backend) if compiled else model

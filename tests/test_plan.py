@@ -240,3 +240,16 @@ def test_plan_model_plans_a_users_own_model():
     assert report.accepted and [lay.name for lay in report.layers] == ["0", "2"]
     assert all(lay.format in ("current", "rowwise", "block") for lay in report.layers)
     assert all(lay.excluded["nvfp4"] == "no nvfp4 kernel on free-h100" for lay in report.layers)
+
+
+@pytest.mark.slow       # plans and times a tiny Llama: ~1 min on a loaded 2-core CPU
+def test_the_gpu_benchmark_of_a_plan_runs_its_whole_path_on_the_cpu():
+    import subprocess
+    import sys
+    script = TESTS.parent / "benchmarks" / "plan_e2e.py"
+    out = subprocess.run([sys.executable, str(script), "--cpu-smoke"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "plan for h100 over 8 steps" in out.stdout and "accepted" in out.stdout
+    assert "speed model error (predicted / measured - 1)" in out.stdout
+    for name in ("amp-bf16", "bf16", "fp8", "plan"):
+        assert f"  {name:<10} compiled" in out.stdout
