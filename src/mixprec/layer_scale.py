@@ -43,7 +43,8 @@ thread) a step costs 1.06x scale=dynamic's under fp16, 1.20x under fp32 compute.
 the autograd graph once (``check_graph``) and refuses, naming the parameter, a model that would mix
 scales (a parameter used outside its module's forward); a layer that makes one of its outputs from
 another (Mixtral's router: logits and the top-k weights made from them) is kept at S instead (``_pin``).
-Under ``torch.compile`` on torch 2.13 the hooks compile (``fullgraph=True``) and the walk is skipped;
+Under ``torch.compile`` on torch 2.13 the hooks compile (``fullgraph=True``) and the walk is skipped,
+with a warning (run the first step uncompiled for the check);
 torch 2.15's dynamo refuses a tensor hook that writes into a buffer (the peaks), so there only
 ``mp.compile_step()`` compiles, not the model.
 """
@@ -105,6 +106,7 @@ class LayerLossScale(DynamicLossScale):
         self._engine: MixedPrecision | None = None
         self._recording = True        # until the first step: graph marks for check_graph
         self._refused = ""             # check_graph's refusal, once it refused
+        self._unchecked_said = False   # the warning that a compiled first forward left nothing to check
         self._enter: dict[tuple[Any, int], int] = {}
         self._leave: dict[Any, int] = {}
         self._names: dict[int, str] = {}         # id(parameter) -> its name, for messages
@@ -233,6 +235,15 @@ class LayerLossScale(DynamicLossScale):
                 self._refused = str(exc)
             finally:
                 self._forget_graph()
+        elif self._recording and self.layers and loss.grad_fn is not None and not self._unchecked_said:
+            # No layer marked the graph: its forward ran compiled (a traced hook has no grad_fn to mark).
+            self._unchecked_said = True
+            warnings.warn("scale=per-layer could not check this model's autograd graph: the first forward "
+                          "marked no layer (it ran under torch.compile, where the hooks cannot mark the graph), "
+                          "so a layer whose gradient would mix S and S*r (a parameter used outside its module, "
+                          "a router whose outputs feed each other) is neither kept at S nor refused. Run the "
+                          "first step with the plain model (the check runs once, then compile), or use "
+                          "scale=dynamic", UserWarning, stacklevel=4)
         if self._refused:
             raise ValueError(self._refused)
         return super().scale(loss)
