@@ -42,7 +42,7 @@ from ..doctor.grad_snr import gradient_snr as doctor_gradient_snr
 from ..doctor.what_if import LayerWhatIf, WhatIfCapture
 from ..trainer import batch_order
 from ..workloads import Workload
-from .experts import ExpertsCapture, planned_experts, projection_names
+from .experts import ExpertsCapture
 
 __all__ = ["Lockstep", "lockstep", "tail", "Band", "fp32_band", "WorkloadDiverges", "LayerMeasure", "gradient_snr",
            "GRAD_SNR_THRESHOLD", "capture_what_if"]
@@ -168,12 +168,14 @@ GRAD_SNR_THRESHOLD = SNR_FLOOR
 
 
 def gradient_snr(workload: Workload, weights: dict, fmt: str, *, step: int, seed: int, steps: int,
-                 device: torch.device, layers: Iterable[str]) -> dict[str, float]:
+                 device: torch.device, layers: Iterable[str],
+                 projections: dict[str, tuple[str, ...]] | None = None) -> dict[str, float]:
     """End-to-end weight-gradient SNR of ``fmt`` per layer: ``|g| / |g_fmt - g|`` where ``g`` is fp32's
     gradient and ``g_fmt`` the gradient with every planned layer in ``fmt`` (the whole model run under
     it, so errors that propagate through the backward count), at the same ``weights`` and batch
     (``step`` of the lockstep order): the doctor's ``grad_snr.gradient_snr`` on the workload's model.
-    An experts module's name stands for both its projections (their gradients together).
+    An experts module's name (a key of ``projections``, its projections' names) stands for both
+    projections, their gradients together.
     One forward and backward per recipe; nothing is trained."""
     data = workload.load_data().to(device)
     idx = batch_order(len(data.y_train), workload.batch_size, steps, seed)[step].to(device)
@@ -186,8 +188,7 @@ def gradient_snr(workload: Workload, weights: dict, fmt: str, *, step: int, seed
             return workload.build_model()
 
     recipe = f"bf16,fp8={fmt}"
-    experts = planned_experts(build())
-    fp8 = names + [p for n in names if n in experts for p in projection_names(n, experts[n])]
+    fp8 = names + [p for n in names for p in (projections or {}).get(n, ())]
     snr = doctor_gradient_snr(build, weights, lambda model: workload.loss_fn(predictions(model(x)), y), [recipe],
                               layers=names, device=device, seed=seed, fp8_layers=fp8)
     return {n: snr[n][recipe].snr for n in names}

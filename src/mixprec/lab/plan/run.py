@@ -135,7 +135,8 @@ def run_plan(setup: PlanSetup, on_progress: Callable[[str], None] | None = None)
     for fmt in dict.fromkeys(f for lay in s.layers for f in lay.candidates if f != "bf16"):
         say(f"{fmt}: end-to-end weight-gradient SNR against fp32, per layer")
         snr[fmt] = gradient_snr(w, weights, fmt, step=s.steps - 1, seed=s.seed, steps=s.steps, device=s.device,
-                                layers=[lay.name for lay in s.layers if fmt in lay.candidates])
+                                layers=[lay.name for lay in s.layers if fmt in lay.candidates],
+                                projections=_experts(s))
     evidence = {lay.name: _layer_evidence(lay, what_if.get(lay.name), experts.get(lay.name), s, snr)
                 for lay in s.layers}
     picks = choose(s.layers, evidence, s.floor_db)
