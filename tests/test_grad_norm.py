@@ -6,11 +6,25 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import OPTIMIZERS, assert_same_state, batches, master_state, tiny_model
 
 import mixprec.master as master_module
 from mixprec import MixedPrecision
-from mixprec.grad_norm import GradNorm, global_norm_f32
+from mixprec.grad_norm import GradNorm, _fits_one_block, global_norm_f32
+
+
+class count_ops(TorchDispatchMode):
+    """The aten ops run inside, by name (a list)."""
+
+    def __enter__(self):
+        super().__enter__()
+        self.names = []
+        return self.names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 def test_hand_worked_norms_over_mixed_dtypes():
@@ -97,28 +111,33 @@ def test_gradients_longer_than_a_block_are_summed_blockwise():
     assert norm.scratch_bytes == 16 * 4        # one block of fp32, freed at the end of the call
 
 
-def test_small_gradients_in_one_scratch_give_the_per_tensor_bits(one_thread):
-    # A small model's gradients are cast into one scratch together (each 64-byte aligned) and dotted
-    # there: the same sums, bit for bit, as reading them one by one, whatever their dtype, size (sizes
-    # not multiples of 16 shift every later start), address or layout (a transposed fp32 gradient).
+def test_small_gradients_are_read_in_three_ops_with_the_bits_of_the_multi_tensor_norm(one_thread):
+    # A small model's gradients (at most one block together, every one dense) are read by one
+    # _foreach_norm and the norm of the norms: global_norm_f32's bits exactly, whatever their dtype,
+    # size, address or layout (a transposed fp32 gradient), and no scratch is made.
     g = torch.Generator().manual_seed(0)
     grads = [(torch.randn(5, 8, generator=g) * 1e-2).half(),
              misaligned_copy((torch.randn(9, generator=g) * 1e3).bfloat16(), 3),
              torch.randn(37, 3, generator=g).t(),
              (torch.randn(300, generator=g) * 1e-4).bfloat16()]
     norm = GradNorm()
-    one_by_one = [sq for t in grads for sq in norm._block_squares(t)]
-    together = norm._small_squares(grads)
-    assert together is not None and len(together) == len(one_by_one) == 4
-    assert all(torch.equal(x, y) for x, y in zip(together, one_by_one))
-    assert torch.equal(norm(grads), torch.stack(one_by_one).sum().sqrt())
-    # Other shapes are laid out again (not read through the last call's layout).
+    with count_ops() as ops:
+        got = norm(grads)
+    assert torch.equal(got, global_norm_f32(grads)) and norm.scratch_bytes == 0
+    assert ops == ["_foreach_norm", "stack", "linalg_vector_norm"]
+    # Within fp32 rounding of the fp64 value, and of the block-by-block dots.
+    exact = math.sqrt(sum(t.double().square().sum().item() for t in grads))
+    assert got.item() == pytest.approx(exact, rel=1e-6)
+    assert got.item() == pytest.approx(GradNorm(block=16)(grads).item(), rel=1e-6)
+    # Other shapes are looked at again (not read through the last call's answer): too large for one
+    # block together, or sparse, goes block by block.
     other = [torch.full((3, 3), 2.0, dtype=torch.float16), torch.tensor([6.0])]
     assert norm(other).item() == torch.tensor(72.0).sqrt().item()     # sqrt(9 * 4 + 36), in fp32
-    # Too large for one block together, empty or sparse: block by block, as before.
-    assert GradNorm(block=16)._small_squares([torch.ones(10), torch.ones(10)]) is None
-    assert norm._small_squares([torch.ones(0)]) is None
-    assert norm._small_squares([torch.ones(2).to_sparse()]) is None
+    assert _fits_one_block(other, 16) and not _fits_one_block([torch.ones(10), torch.ones(10)], 16)
+    assert not _fits_one_block([torch.ones(2).to_sparse()], 16)
+    twenty = GradNorm(block=16)
+    assert twenty([torch.full((10,), 2.0), torch.full((10,), 2.0)]).item() == torch.tensor(80.0).sqrt().item()
+    assert twenty.scratch_bytes == 0      # fp32, aligned: dotted in place
 
 
 def test_bad_block_size_names_the_fix():

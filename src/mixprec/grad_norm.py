@@ -11,14 +11,20 @@ the optimizer moves a single weight. Under a pure recipe the optimizer steps fp3
   squares them in fp32 and sums them, at memory speed and without an fp32 copy (16M bf16 values: 3.3
   ms, where a cast and a BLAS dot take 4.9 ms). ATen's own norm kernels on 16-bit input were measured
   10x slower (``_foreach_norm``: 41 ms).
-- CPU otherwise (small gradients, fp32 ones, or where the compiler is missing): each block of at most
-  ``block`` (2**20) elements is cast into one small fp32 scratch (4 MiB at most, it stays in cache;
-  made once per call and freed before the chunks are cast, so the step's peak does not grow) and dotted
-  there by BLAS; an fp32 gradient is dotted where it lies. Casting a whole gradient into fresh fp32
-  memory instead pays that memory's page faults at every step.
+- CPU, one process, gradients that fit one block together (a small model: at most ``block`` elements
+  in all, every one dense): ``global_norm_f32``, one ``_foreach_norm`` and the norm of the norms, three ops. At these
+  sizes the ops' dispatch is the cost, not the reading: the tiny benchmark model's six gradients take
+  40-54 us this way against 116 us cast into a scratch and dotted (1 thread; 1M 16-bit values: 290-380
+  against 320-480), and the compiled step and CUDA read them the same way.
+- CPU otherwise (larger models, or where the compiler is missing): each block of at most ``block``
+  (2**20) elements is cast into one small fp32 scratch (4 MiB at most, it stays in cache; made once
+  per call and freed before the chunks are cast, so the step's peak does not grow) and dotted there by
+  BLAS; an fp32 gradient is dotted where it lies. Casting a whole gradient into fresh fp32 memory
+  instead pays that memory's page faults at every step.
 
 Bits. The caller hands the same tensors whatever the chunking (the model's 16-bit gradients, never
-their fp32 casts), and each tensor's sum depends only on its values and size: the compiled loop's
+their fp32 casts), and which way they are read depends on their sizes and dtypes alone, as does each
+tensor's sum: ``_foreach_norm`` reduces by index, not by address; the compiled loop's
 order is fixed by the size, and MKL's ``sdot``, which rounds differently at different address
 alignments (measured: the same values at two offsets give sums one ulp apart), is only run on 64-byte
 aligned fp32 buffers (an fp32 gradient in place if it is aligned, anything else through the scratch,
@@ -96,22 +102,14 @@ def _dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [g.coalesce()._values() if g.is_sparse else g for g in grads]
 
 
-def _small_layout(grads: list[torch.Tensor], block: int) -> tuple | None:
-    """(total elements, a padding tensor after each gradient, the sizes to split at) for laying
-    ``grads`` end to end in one fp32 scratch with every one starting 64-byte aligned; None where they
-    do not fit one block or one is sparse, empty, or neither 16-bit nor fp32."""
-    step = _ALIGN // 4
-    pads, sizes, total = [], [], 0
+def _fits_one_block(grads: list[torch.Tensor], block: int) -> bool:
+    """Whether ``grads`` hold at most ``block`` elements in all, every one dense (a small model)."""
+    total = 0
     for g in grads:
-        n = g.numel()
-        if (g.layout != torch.strided or n == 0 or n >= _COMPILED_MIN
-                or g.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
-            return None
-        pad = -n % step
-        pads.append(torch.empty(pad, dtype=torch.float32))   # a shape for unflatten only: never read
-        sizes += [n, pad]
-        total += n + pad
-    return (total, pads, sizes) if total <= block else None
+        if g.layout != torch.strided:
+            return False
+        total += g.numel()
+    return total <= block
 
 
 class GradNorm:
@@ -129,22 +127,23 @@ class GradNorm:
         self.block = block
         self.compiled = compiled    # False: the scratch for every 16-bit gradient (no compiler)
         self._scratch: torch.Tensor | None = None   # during a call only
-        # The last call's gradients (shape, dtype, layout) and their _small_layout: laid out once.
+        # The last call's gradients (shape, dtype, layout) and whether they fit one block: asked once.
         self._small_key: list | None = None
-        self._small_layout: tuple | None = None
+        self._small = False
         self.scratch_bytes = 0
 
     def __call__(self, grads: list[torch.Tensor], sync: GradSync | None = None) -> torch.Tensor:
         """The global L2 norm of ``grads`` in fp32 (a () tensor); inf or NaN if some gradient is, or above 1.8e19."""
         if not grads:
             raise ValueError("GradNorm needs at least one gradient")
-        if grads[0].device.type != "cpu" or torch.compiler.is_compiling():
-            # One launch reads every dtype (CUDA); a compiled graph fuses the casts into its reduction.
+        local = sync is None or sync.kind is SyncKind.LOCAL
+        if grads[0].device.type != "cpu" or torch.compiler.is_compiling() or (local and self._fits(grads)):
+            # One launch reads every dtype (CUDA); a compiled graph fuses the casts into its reduction;
+            # a small model's few small gradients cost their ops' dispatch, which three ops keep low.
+            self.scratch_bytes = 0
             return global_norm_f32(grads, sync)
         try:
-            squares = self._small_squares(grads)
-            if squares is None:
-                squares = [sq for g in grads for sq in self._block_squares(g)]
+            squares = [sq for g in grads for sq in self._block_squares(g)]
         finally:
             self.scratch_bytes = 0 if self._scratch is None else 4 * self._scratch.numel()
             self._scratch = None      # freed before the step casts its chunks into fp32
@@ -153,27 +152,12 @@ class GradNorm:
             sq = sync.reduce_sum_squares(sq)
         return sq.sqrt()
 
-    def _small_squares(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Each gradient's sum of squares where they all fit one block together (small models): one
-        ``_foreach_copy_`` casts them all into one fp32 scratch, each at a 64-byte aligned start, then
-        one dot each. The same tensors, values and alignment as ``_block_squares`` reads one by one, so
-        the same bits, in a few calls where the per-tensor walk made about ten per gradient. None where
-        the gradients do not fit (or one is sparse, empty, or of another dtype): then block by block."""
+    def _fits(self, grads: list[torch.Tensor]) -> bool:
+        """``_fits_one_block``, worked out again only when the gradients' shapes, dtypes or layouts change."""
         key = [(g.shape, g.dtype, g.layout) for g in grads]
         if self._small_key != key:
-            self._small_key, self._small_layout = key, _small_layout(grads, self.block)
-        layout = self._small_layout
-        if layout is None:
-            return None
-        total, pads, sizes = layout
-        self._scratch = scratch = torch.empty(total, dtype=torch.float32, device=grads[0].device)
-        assert scratch.data_ptr() % _ALIGN == 0, "the CPU allocator aligns to 64 bytes"
-        like = [t for g, pad in zip(grads, pads) for t in (g, pad)]
-        # Views shaped like grads: torch's C++ unflatten (torch._utils' wrapper is one more call).
-        shaped = torch._C._nn.unflatten_dense_tensors(scratch, like)[::2]
-        torch._foreach_copy_(shaped, grads)          # 16-bit -> fp32 is exact: the same values
-        # split_with_sizes, as Tensor.split does with a list, without its six Python calls around it.
-        return [torch.dot(v, v) for v in scratch.split_with_sizes(sizes)[::2]]
+            self._small_key, self._small = key, _fits_one_block(grads, self.block)
+        return self._small
 
     def _block_squares(self, g: torch.Tensor) -> list[torch.Tensor]:
         if g.is_sparse:       # nn.Embedding(sparse=True): the coalesced values carry the whole norm

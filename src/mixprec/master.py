@@ -16,7 +16,7 @@ Two lifetimes, one mechanism:
   exactly, at 2 + 2 B/param (``kahan.py``).
 
 No fp32 gradient is held between steps (the usual 16 B/param with Adam: 2 weights + 2 gradients + 4
-master + 8 moments). ``step`` walks the optimizer's tensors in chunks of at most ``chunk_bytes`` of fp32
+master + 8 moments), but for a small model's (below). ``step`` walks the optimizer's tensors in chunks of at most ``chunk_bytes`` of fp32
 transients (the chunk's gradients, and for ``keep=False`` its weights): it casts the chunk's 16-bit
 gradients into fp32, lets the optimizer step only that chunk, rounds the result into the model and
 frees the transients before the next chunk. So the step's extra memory is bounded by ``chunk_bytes``
@@ -36,9 +36,15 @@ On CPU the chunks of a step in several chunks, and a single chunk of at least ``
 MiB) of fp32 gradients, are cast into one flat fp32 workspace that is kept between steps (the largest
 chunk: at most ``chunk_bytes``, or one larger tensor; ``workspace_bytes``): allocating each chunk's
 casts afresh was measured 2-3x slower there (benchmarks/RESULTS.md, page faults on fresh memory; with
-4 MiB chunks of 16 MiB tensors 7 ms of a 24 ms step). A model in one small chunk keeps nothing (its
-casts share one fresh block per step).
-CUDA's caching allocator reuses the freed block by itself, so on CUDA nothing is kept.
+4 MiB chunks of 16 MiB tensors 7 ms of a 24 ms step). CUDA's caching allocator reuses the freed block
+by itself, so on CUDA large chunks keep nothing.
+
+A small model (``keep=True``, fp32 gradients of at most ``_SMALL_KEPT`` = 4 MiB in one chunk, every
+gradient dense and contiguous) keeps its workspace and the views of it between steps, on every device:
+laying them out again cost a third of the pure step's host work (about 15 aten ops for 6 tensors),
+which is all a small model's GPU step waits for. That is 4 B/param (at most 4 MiB) held through the
+forward and backward too; ``memory_report`` counts it (``kept_gradient_bytes``). Other models keep no
+fp32 gradient between steps.
 
 The engine reads the global norm before the first chunk steps, from the model's 16-bit gradients
 (``grad_norm.GradNorm``: no fp32 copies), whatever the chunking: the same tensors read the same way, so
@@ -67,13 +73,22 @@ from .kahan import KahanCompensation
 from .recipe import Rounding
 from .stochastic_rounding import RoundingNoise, stochastic_round_bf16_
 
-__all__ = ["MasterWeights", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["MasterWeights", "DEFAULT_CHUNK_BYTES", "kept_gradient_bytes"]
 
 # The fp32 transients of one optimizer call: small next to any model worth chunking (gpt2: 8 chunks),
 # large enough that a step makes few calls (a 7B model: ~420, each a multi-tensor kernel on CUDA).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 _WORKSPACE_MIN = 32 * 2**20      # CPU: fp32 gradient chunks this large go into a kept workspace
+# Any device: a one-chunk step's fp32 gradients up to this size go into a workspace kept between steps,
+# laid out once (see MasterWeights._small_views).
+_SMALL_KEPT = 4 * 2**20
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def kept_gradient_bytes(master_bytes: int) -> int:
+    """Bytes of fp32 gradients a master copy of ``master_bytes`` keeps between steps: all of them where
+    they fit ``_SMALL_KEPT`` (a small model's workspace, ``MasterWeights._kept_views``), else none."""
+    return master_bytes if 0 < master_bytes <= _SMALL_KEPT else 0
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -138,7 +153,9 @@ class MasterWeights:
         self.keep = keep
         self.rounding = rounding
         self.chunk_bytes = chunk_bytes
-        self._workspace: torch.Tensor | None = None     # CPU only, see the module docstring
+        self._workspace: torch.Tensor | None = None     # see the module docstring
+        # A small one-chunk step's fp32 gradient views into the kept workspace: (key, views), laid out once.
+        self._small_views: tuple[list, list[torch.Tensor]] | None = None
         self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
         self._planned = False                            # begin_step planned this step
         self._grad_sources: tuple[list, list] | None = None   # grads(): (groups' key, tensors to read)
@@ -314,8 +331,11 @@ class MasterWeights:
             dests = [slots[id(p)] for p in dense]
             self._pulled = (which, flat[:n])
         else:
-            workspace = self._workspace_for(which, chunked)
-            if workspace is not None:
+            dests = self._kept_views(which, params, dense) if which is self._order else None
+            workspace = None if dests is not None else self._workspace_for(which, chunked)
+            if dests is not None:
+                pass
+            elif workspace is not None:
                 n = (sum([self._numel[i] for i in which]) if len(dense) == len(params)   # no tensor read
                      else sum([p.numel() for p in dense]))
                 dests = _views(workspace[:n], dense)
@@ -351,6 +371,29 @@ class MasterWeights:
     def workspace_bytes(self) -> int:
         """Bytes of the fp32 gradient workspace kept between steps (CPU, large chunks only; else 0)."""
         return 0 if self._workspace is None else self._workspace.untyped_storage().nbytes()
+
+    def _kept_views(self, which: list[int], params: list[nn.Parameter],
+                    dense: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        """A small model's one-chunk step (``which`` is every copy): views of a workspace kept between
+        steps, shaped like the gradients, made once and reused while every gradient is dense and
+        contiguous with the same shapes and dtypes; None otherwise (or above ``_SMALL_KEPT`` bytes).
+
+        Laying the fp32 gradients out afresh costs a workspace and a view per tensor at every step
+        (about 15 aten ops for 6 tensors, a third of the pure step's host work on a small model, which
+        is all a small model's GPU step waits for); keeping them costs at most 4 MiB, a block the CUDA
+        caching allocator would hold anyway."""
+        if len(dense) != len(params):
+            return None
+        key = [(p.grad.shape, p.grad.dtype, p.grad.is_contiguous()) for p in dense]
+        if self._small_views is not None and self._small_views[0] == key:
+            return self._small_views[1]
+        need = sum([self._numel[i] for i in which])
+        if 4 * need > _SMALL_KEPT or not all([c for _, _, c in key]):
+            self._small_views = None
+            return None
+        self._workspace = torch.empty(need, dtype=torch.float32, device=self.device)
+        self._small_views = (key, _views(self._workspace, dense))
+        return self._small_views[1]
 
     def _workspace_for(self, which, chunked: bool) -> torch.Tensor | None:
         if not self.keep or not self.masters or self.device.type != "cpu":
