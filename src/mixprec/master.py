@@ -85,10 +85,12 @@ _SMALL_KEPT = 4 * 2**20
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
-def kept_gradient_bytes(master_bytes: int) -> int:
-    """Bytes of fp32 gradients a master copy of ``master_bytes`` keeps between steps: all of them where
-    they fit ``_SMALL_KEPT`` (a small model's workspace, ``MasterWeights._kept_views``), else none."""
-    return master_bytes if 0 < master_bytes <= _SMALL_KEPT else 0
+def kept_gradient_bytes(elements: int, keep: bool) -> int:
+    """Bytes of fp32 transients ``MasterWeights`` keeps between steps for ``elements`` low-precision
+    weights: a small model's (at most ``_SMALL_KEPT`` bytes) fp32 gradients with a master copy
+    (``_kept_views``), or fp32 weights and gradients without one (``_transient_layout``); else none."""
+    size = (4 if keep else 8) * elements
+    return size if size <= _SMALL_KEPT else 0
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -156,6 +158,10 @@ class MasterWeights:
         self._workspace: torch.Tensor | None = None     # see the module docstring
         # A small one-chunk step's fp32 gradient views into the kept workspace: (key, views), laid out once.
         self._small_views: tuple[list, list[torch.Tensor]] | None = None
+        # keep=False, a small model's one-chunk step: the [weights | gradients] buffer and its views,
+        # laid out once (_transient_layout); and the views of its rounded bf16 half (pointer, views).
+        self._layout: tuple | None = None
+        self._rounded_views: tuple[int, list[torch.Tensor]] | None = None
         self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
         self._planned = False                            # begin_step planned this step
         self._grad_sources: tuple[list, list] | None = None   # grads(): (groups' key, tensors to read)
@@ -318,18 +324,25 @@ class MasterWeights:
         if not self.keep:
             # [weights | gradients], each in the chunk's order. The gradient half has a slot for every
             # copy (a gradient-less one leaves its slot unused): it is the rounding's scratch later.
-            n = sum([self._numel[i] for i in which])
-            flat = buffer[:2 * n] if buffer is not None else torch.empty(2 * n, dtype=torch.float32,
-                                                                          device=self.device)
-            weights = _views(flat[:n], params)
+            layout = self._layout
+            if layout is not None and buffer is layout[0] and which is self._order:
+                _, weights_flat, weights, slot_views, _ = layout     # laid out once (_transient_layout)
+            else:
+                n = sum([self._numel[i] for i in which])
+                flat = buffer[:2 * n] if buffer is not None else torch.empty(2 * n, dtype=torch.float32,
+                                                                              device=self.device)
+                weights_flat, weights, slot_views = flat[:n], _views(flat[:n], params), _views(flat[n:], params)
             torch._foreach_copy_(weights, params)    # bf16 -> fp32: exact
             if self.kahan is not None:               # + the compensations: the fp32 values, exactly
-                self.kahan.join_(flat[:n], which, self._runs(which))
+                self.kahan.join_(weights_flat, which, self._runs(which))
             for m, w in zip(masters, weights):
                 m.data = w
-            slots = dict(zip(map(id, params), _views(flat[n:], params)))
-            dests = [slots[id(p)] for p in dense]
-            self._pulled = (which, flat[:n])
+            if len(dense) == len(params):
+                dests = slot_views
+            else:
+                slots = dict(zip(map(id, params), slot_views))
+                dests = [slots[id(p)] for p in dense]
+            self._pulled = (which, weights_flat)
         else:
             dests = self._kept_views(which, params, dense) if which is self._order else None
             workspace = None if dests is not None else self._workspace_for(which, chunked)
@@ -369,8 +382,10 @@ class MasterWeights:
 
     @property
     def workspace_bytes(self) -> int:
-        """Bytes of the fp32 gradient workspace kept between steps (CPU, large chunks only; else 0)."""
-        return 0 if self._workspace is None else self._workspace.untyped_storage().nbytes()
+        """Bytes of fp32 transients kept between steps: the gradient workspace (a small model's with a
+        master copy, or the CPU's large chunks) or a small model's [weights | gradients] buffer without."""
+        kept = [t for t in (self._workspace, None if self._layout is None else self._layout[0]) if t is not None]
+        return sum([t.untyped_storage().nbytes() for t in kept])
 
     def _kept_views(self, which: list[int], params: list[nn.Parameter],
                     dense: list[nn.Parameter]) -> list[torch.Tensor] | None:
@@ -426,7 +441,10 @@ class MasterWeights:
         found_inf = _found_inf(optimizer)
         tables = self.generator.tables() if self.generator is not None else None
         buffer = None
-        if not self.keep:   # one [weights | gradients] buffer for every chunk: the largest one's size
+        layout = self._transient_layout() if not self.keep and plan is None else None
+        if layout is not None:      # a small model: the buffer and its views kept from the last step
+            buffer = layout[0]
+        elif not self.keep:   # one [weights | gradients] buffer for every chunk: the largest one's size
             largest = max([sum([self._numel[i] for i in which]) for which in chunks], default=0)
             buffer = torch.empty(2 * largest, dtype=torch.float32, device=self.device)
         if plan is None:            # everything fits one chunk: the optimizer's groups stay as built
@@ -461,7 +479,10 @@ class MasterWeights:
         for i in which:     # the fp32 gradients go (and, transient, their slots become scratch)
             self.masters[i].grad = None
         scratch = None
-        if buffer is not None:
+        layout = self._layout
+        if layout is not None and buffer is layout[0] and which is self._order:
+            scratch = layout[4]
+        elif buffer is not None:
             n = sum([self._numel[i] for i in which])
             scratch = buffer[n:2 * n].view(torch.int32)
         self._round_into_model(which, tables, scratch)
@@ -516,15 +537,45 @@ class MasterWeights:
             torch._foreach_copy_(targets, [self.masters[i] for i in which])   # round to nearest even
         elif self.kahan is not None:     # nearest (ties away), the rest kept as compensations
             rounded = self.kahan.split_(self._pulled_weights(which), self._runs(which))
-            torch._foreach_copy_(targets, _views(rounded, targets))
+            torch._foreach_copy_(targets, self._rounded_as(rounded, targets, which))
         else:
             flat = self._pulled_weights(which)
             for offset, start, length in self._runs(which):
                 self.generator.fill_(scratch[offset:offset + length], start, tables)
             rounded = stochastic_round_bf16_(flat, scratch)       # bf16, strided: the high halves
-            torch._foreach_copy_(targets, _views(rounded, targets))
+            torch._foreach_copy_(targets, self._rounded_as(rounded, targets, which))
         if not self.keep:
             self._release(which)
+
+    def _transient_layout(self) -> tuple | None:
+        """keep=False, a small model (fp32 weights and gradients of at most ``_SMALL_KEPT`` bytes):
+        ``(buffer, its weight half, views of it shaped like the weights, views of the gradient half,
+        the gradient half as int32 scratch)``, made at the first step and kept; None for other models.
+
+        Laying these out afresh cost about 30 aten ops per step for 6 tensors (a slice and a view per
+        tensor per half), more than the rounding itself on a small model; keeping them costs at most
+        4 MiB (8 B/param), a block the CUDA caching allocator would hold anyway."""
+        if self._layout is None:
+            n = self._numel_total
+            if 8 * n > _SMALL_KEPT:
+                return None
+            params = [self.model_params[i] for i in self._order]
+            buffer = torch.empty(2 * n, dtype=torch.float32, device=self.device)
+            self._layout = (buffer, buffer[:n], _views(buffer[:n], params), _views(buffer[n:], params),
+                            buffer[n:].view(torch.int32))
+        return self._layout
+
+    def _rounded_as(self, rounded: torch.Tensor, targets: list[torch.Tensor], which: list[int]) -> list[torch.Tensor]:
+        """``rounded`` (a strided bf16 view) as tensors shaped like ``targets``: made once for the kept
+        layout's buffer (the same view of the same memory at every step), afresh otherwise."""
+        if which is not self._order or self._layout is None:
+            return _views(rounded, targets)
+        if rounded.untyped_storage().data_ptr() != self._layout[0].untyped_storage().data_ptr():
+            return _views(rounded, targets)     # a fresh buffer (copies filled whole): not kept
+        key = rounded.data_ptr()
+        if self._rounded_views is None or self._rounded_views[0] != key:
+            self._rounded_views = (key, _views(rounded, targets))
+        return self._rounded_views[1]
 
     def _pulled_weights(self, which: list[int]) -> torch.Tensor:
         """The flat fp32 buffer whose views ``which``'s transient copies are (``_pull`` laid it out)."""

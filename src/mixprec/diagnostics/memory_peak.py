@@ -143,7 +143,7 @@ def step_transients(recipe: Any, build: Callable[[list[nn.Parameter]], torch.opt
                 loss = torch.stack([t.float().sum() for t in trainable]).sum() * 2.0**-10
             mp.backward(loss)
             # Gradient copies the step keeps from the step before (fp32 master gradients) count too.
-            # A small model's fp32 gradient workspace, kept between steps, is what the step fills.
+            # A small model's fp32 transients, kept between steps, are what the step fills.
             kept = sum(m.grad.untyped_storage().nbytes() for m in (mp.master.masters if mp.master else [])
                        if m.grad is not None) if mp.master is None or not mp.master.workspace_bytes \
                 else mp.master.workspace_bytes

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..engine import MixedPrecision
+from ..casting import low_precision_params
 from ..master import kept_gradient_bytes
 from ..compact_adamw import moment_bytes
 from ..model_io import call_model, output_loss
@@ -228,7 +229,8 @@ def _peak(predicted: MemoryBreakdown, inputs: tuple[int, int], recipe: Recipe, o
     the backward; the optimizer state is alive at both moments."""
     batch_bytes, grads_at_step = inputs
     # A small model's fp32 gradient workspace (pure recipes) outlives the step: alive in the backward too.
-    kept = kept_gradient_bytes(predicted.master) if recipe.master is not None else 0
+    low = sum(p.numel() for p in low_precision_params(model, recipe))
+    kept = kept_gradient_bytes(low, recipe.master is not None) if low else 0
     forward_backward = predicted.peak + predicted.optimizer + kept
     state = predicted.params + grads_at_step + predicted.master + predicted.optimizer + batch_bytes
     params = list(model.parameters())
