@@ -22,7 +22,7 @@ and ``mp.compile_step(mode="reduce-overhead")`` (one CUDA-graph replay for the s
 loop with ``torch.compile(model, mode="reduce-overhead")`` and a compiled fused AdamW step.
 
 Usage: python benchmarks/bench_host.py [--recipes bf16,fp16,...] [--clips none,1.0] [--pairs 200]
-       [--no-time] [--profile] [--device cpu|cuda] [--threads 1]
+       [--no-time] [--profile] [--guarded] [--device cpu|cuda] [--threads 1]
 On a GPU (a few minutes, mostly compiling):
        python benchmarks/bench_host.py --device cuda --recipes bf16,fp16,bf16-pure --clips none --pairs 200
 """
@@ -88,8 +88,13 @@ def mixprec_step(recipe: str, clip: float | None, device, compiled: bool = False
     return step
 
 
-def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = False) -> Callable[[], None]:
-    """The hand-written torch.amp loop: autocast, (GradScaler for fp16), clip_grad_norm_, fused AdamW."""
+def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = False,
+             guarded: bool = False) -> Callable[[], None]:
+    """The hand-written torch.amp loop: autocast, (GradScaler for fp16), clip_grad_norm_, fused AdamW.
+
+    ``guarded`` (bf16, no clip): the loop also skips a step whose gradients hold an inf or NaN, as
+    mixprec's bf16 does and torch.amp's bf16 loop does not: ``get_total_norm`` of the gradients, then
+    ``optimizer.step()`` only where it is finite (a host read: free on a CPU, a sync on a GPU)."""
     model = tiny_model(device)
     x, y = batch(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -110,7 +115,8 @@ def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = Fa
             loss.backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-            opt_step()
+            if not guarded or torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True).isfinite():
+                opt_step()
         else:
             scaler.scale(loss).backward()
             if clip is not None:
@@ -262,6 +268,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also the top functions by calls per recipe")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--guarded", action="store_true",
+                    help="also each bf16-baseline recipe without clip against torch.amp bf16 that skips "
+                         "inf/NaN steps as mixprec does (get_total_norm, step only where finite)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -287,6 +296,17 @@ def main() -> None:
                 r, ta, tb, fastest = interleaved_ratio(ours, theirs, args.pairs, device)
                 line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
             print(line, flush=True)
+            if args.guarded and dtype == torch.bfloat16 and clip is None:
+                # The same recipe against torch.amp bf16 with the same inf/NaN skip (a careful user's).
+                guarded = amp_step(dtype, clip, device, guarded=True)
+                c_guard = count_calls(guarded)
+                line = (f"{recipe:<11}{clip_word(clip):>5}{'amp bf16+skip':>18}{c_ours.total:>7}"
+                        f"{c_ours.python:>6}{c_guard.total:>10}{c_guard.python:>6}"
+                        f"{c_ours.total / c_guard.total:>10.2f}")
+                if not args.no_time:
+                    r, ta, tb, fastest = interleaved_ratio(ours, guarded, args.pairs, device)
+                    line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
+                print(line, flush=True)
     if args.profile:
         for recipe in args.recipes.split(","):
             print(f"\n{recipe}, no clip: calls per step by the innermost mixprec function making them")

@@ -95,6 +95,34 @@ def test_static_and_none_never_change_but_count():
     assert n.scale(loss) is loss and float(s.scale(loss)) == 3072.0
 
 
+@pytest.mark.parametrize("make", [NoLossScale, lambda: StaticLossScale(8.0), DynamicLossScale])
+def test_counts_the_host_knows_cost_no_op_and_read_as_the_device_counts(make):
+    # Where the host already knows the outcome (a CPU step, the generic path) the step and skip counts
+    # are kept in Python and folded into the same tensors when read: the same numbers as counting on
+    # the device, mixed in any order, through a state round trip.
+    host, device = make(), make()
+    outcomes = [False, True, False, False, True, False]
+    for i, skip in enumerate(outcomes):
+        flag = T if skip else F
+        device.update(flag)
+        if i % 3 == 2:
+            host.update(flag)               # a compiled step: counted on the device
+        else:
+            host.update(flag, skip)
+    steps, skipped = host.steps, host.skipped
+    assert (int(steps), int(skipped)) == (int(device.steps), int(device.skipped)) == (6, 2)
+    assert host.steps is steps and host.skipped is skipped      # the same tensors, read again
+    assert all(torch.equal(a, b) for a, b in zip(host.state_dict().values(), device.state_dict().values()))
+    if isinstance(host, (NoLossScale, StaticLossScale)):
+        version = steps._version
+        host.update(F, False)               # a clean step known on the host: no tensor touched
+        assert steps._version == version and int(host.steps) == 7
+    fresh = make()
+    fresh.update(T, True)                   # a host count pending when the state is loaded: dropped
+    fresh.load_state_dict(device.state_dict())
+    assert (int(fresh.steps), int(fresh.skipped)) == (6, 2)
+
+
 def test_state_round_trip_continues_identically():
     config = LossScaleConfig(growth_interval=3, hysteresis=2)
     a = DynamicLossScale(config)

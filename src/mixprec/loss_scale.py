@@ -43,8 +43,38 @@ class _CountingScale:
     def __init__(self, init: float, device: torch.device | str) -> None:
         # float32 holds every power of two the scale can take exactly.
         self.value = torch.tensor(float(init), dtype=torch.float32, device=device)
-        self.steps = torch.zeros((), dtype=torch.int64, device=device)
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._steps = torch.zeros((), dtype=torch.int64, device=device)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        # Steps and skips counted on the host, where the step's outcome is known there (a CPU, the
+        # generic path): added into the tensors when they are read, so that a step costs no op here.
+        self._host_steps = 0
+        self._host_skipped = 0
+
+    @property
+    def steps(self) -> torch.Tensor:
+        """() int64: ``update`` calls so far (the host's count folded in: the same tensor every time)."""
+        if self._host_steps:
+            self._steps += self._host_steps
+            self._host_steps = 0
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: torch.Tensor) -> None:
+        self._host_steps = 0
+        self._steps = value
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        """() int64: steps skipped so far (the host's count folded in)."""
+        if self._host_skipped:
+            self._skipped += self._host_skipped
+            self._host_skipped = 0
+        return self._skipped
+
+    @skipped.setter
+    def skipped(self, value: torch.Tensor) -> None:
+        self._host_skipped = 0
+        self._skipped = value
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * S`` (in the loss's dtype, fp32 for the losses autocast produces). No sync."""
@@ -54,11 +84,12 @@ class _CountingScale:
         """Count the step and whether it was skipped. ``found_inf`` is a () bool tensor; ``skipped`` the
         same answer where the host already has it (the generic step synced for it), else None. No sync.
         (Counting is the whole update of a static scale or none: one call per step, not two.)"""
-        self.steps += 1
         if skipped is None:
-            self.skipped += found_inf   # bool into int64, in place: no cast of its own
-        elif skipped:
-            self.skipped += 1           # known on the host: a clean step costs no op here
+            self._steps += 1
+            self._skipped += found_inf  # bool into int64, in place: no cast of its own
+        else:                           # known on the host: counted there, no op (see the properties)
+            self._host_steps += 1
+            self._host_skipped += skipped
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {"value": self.value, "steps": self.steps, "skipped": self.skipped}

@@ -397,13 +397,13 @@ class MasterWeights:
         (about 15 aten ops for 6 tensors, a third of the pure step's host work on a small model, which
         is all a small model's GPU step waits for); keeping them costs at most 4 MiB, a block the CUDA
         caching allocator would hold anyway."""
-        if len(dense) != len(params):
+        if len(dense) != len(params) or 4 * self._numel_total > _SMALL_KEPT:   # which: every copy
             return None
         key = [(p.grad.shape, p.grad.dtype, p.grad.is_contiguous()) for p in dense]
         if self._small_views is not None and self._small_views[0] == key:
             return self._small_views[1]
         need = sum([self._numel[i] for i in which])
-        if 4 * need > _SMALL_KEPT or not all([c for _, _, c in key]):
+        if not all([c for _, _, c in key]):
             self._small_views = None
             return None
         self._workspace = torch.empty(need, dtype=torch.float32, device=self.device)
