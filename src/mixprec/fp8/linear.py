@@ -136,8 +136,19 @@ class Fp8Linear(nn.Linear, Fp8LayerState):
             out = F.linear(x2d, self._weight_out_in()).to(out_dtype)   # (0, N)
             return self._add_bias(out.view(*x.shape[:-1], self.out_features))
         fn = _Fp8LinearFn if self.blocked is None else BlockedLinearFn
-        with torch.autocast(device_type, enabled=False):             # the emulation's fp32 mm stays fp32
-            out = fn.apply(x2d, self._weight_out_in(), self, out_dtype, record)             # (M, N)
+        # Autocast off inside (the emulation's fp32 mm stays fp32). Where it is on, eager and with no
+        # torch-function mode tracing (torch.export), flipping its flag around the call is what
+        # torch.autocast(enabled=False) does there (an outer autocast holds the nesting, so no cache is
+        # cleared) in two C calls instead of about twenty Python ones per layer and step.
+        if autocast_on and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled():
+            torch.set_autocast_enabled(device_type, False)
+            try:
+                out = fn.apply(x2d, self._weight_out_in(), self, out_dtype, record)         # (M, N)
+            finally:
+                torch.set_autocast_enabled(device_type, True)
+        else:
+            with torch.autocast(device_type, enabled=False):
+                out = fn.apply(x2d, self._weight_out_in(), self, out_dtype, record)         # (M, N)
         return self._add_bias(out.view(*x.shape[:-1], self.out_features))
 
     def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
