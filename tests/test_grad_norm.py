@@ -130,11 +130,12 @@ def test_small_gradients_are_read_in_three_ops_with_the_bits_of_the_multi_tensor
     assert got.item() == pytest.approx(exact, rel=1e-6)
     assert got.item() == pytest.approx(GradNorm(block=16)(grads).item(), rel=1e-6)
     # Other shapes are looked at again (not read through the last call's answer): too large for one
-    # block together, or sparse, goes block by block.
+    # block together goes block by block; sparse gradients are read by their values.
     other = [torch.full((3, 3), 2.0, dtype=torch.float16), torch.tensor([6.0])]
     assert norm(other).item() == torch.tensor(72.0).sqrt().item()     # sqrt(9 * 4 + 36), in fp32
     assert _fits_one_block(other, 16) and not _fits_one_block([torch.ones(10), torch.ones(10)], 16)
-    assert not _fits_one_block([torch.ones(2).to_sparse()], 16)
+    sparse = [torch.tensor([0.0, 3.0, 0.0, 4.0]).to_sparse(), torch.tensor([12.0])]
+    assert _fits_one_block(sparse, 16) and norm(sparse).item() == 13.0     # its values, as dense
     twenty = GradNorm(block=16)
     assert twenty([torch.full((10,), 2.0), torch.full((10,), 2.0)]).item() == torch.tensor(80.0).sqrt().item()
     assert twenty.scratch_bytes == 0      # fp32, aligned: dotted in place

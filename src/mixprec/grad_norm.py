@@ -12,7 +12,7 @@ the optimizer moves a single weight. Under a pure recipe the optimizer steps fp3
   ms, where a cast and a BLAS dot take 4.9 ms). ATen's own norm kernels on 16-bit input were measured
   10x slower (``_foreach_norm``: 41 ms).
 - CPU, one process, gradients that fit one block together (a small model: at most ``block`` elements
-  in all, every one dense): ``global_norm_f32``, one ``_foreach_norm`` and the norm of the norms, three ops. At these
+  in all, dense or sparse): ``global_norm_f32``, one ``_foreach_norm`` and the norm of the norms, three ops. At these
   sizes the ops' dispatch is the cost, not the reading: the tiny benchmark model's six gradients take
   40-54 us this way against 116 us cast into a scratch and dotted (1 thread; 1M 16-bit values: 290-380
   against 320-480), and the compiled step and CUDA read them the same way.
@@ -103,10 +103,11 @@ def _dense_values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _fits_one_block(grads: list[torch.Tensor], block: int) -> bool:
-    """Whether ``grads`` hold at most ``block`` elements in all, every one dense (a small model)."""
+    """Whether ``grads`` hold at most ``block`` elements in all (a small model), every one strided or
+    sparse COO (whose coalesced values ``global_norm_f32`` reads, as the dense gradient's)."""
     total = 0
     for g in grads:
-        if g.layout != torch.strided:
+        if g.layout not in (torch.strided, torch.sparse_coo):
             return False
         total += g.numel()
     return total <= block
