@@ -1,5 +1,6 @@
-"""Pure recipes at 16 B/param: no fp32 gradient outlives a step, the step's fp32 transients stay within
-one chunk, and a chunked step is the unchunked step bit for bit (skips included)."""
+"""Pure recipes at 16 B/param: no fp32 gradient outlives a step (a small model's kept buffer aside), the
+step's fp32 transients stay within one chunk, and a chunked step is the unchunked step bit for bit (skips
+included), as a step through a small model's kept buffer is one through fresh memory."""
 
 import math
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import OPTIMIZERS, assert_same_state, batches, master_state, tiny_model
 
+import mixprec.master as master_module
 from mixprec import MixedPrecision
 from mixprec.diagnostics.memory import state_bytes, storage_bytes
 from mixprec.master import MasterWeights
@@ -84,3 +86,51 @@ def test_bad_chunk_size_names_the_fix():
     with pytest.raises(ValueError, match="chunk_bytes must be a positive int"):
         MasterWeights(list(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1), keep=True,
                       chunk_bytes=0)
+
+
+@pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure", "bf16-sr", "bf16-kahan"])
+@pytest.mark.parametrize("opt_name", ["adamw-fused", "sgd-momentum"])
+def test_a_small_models_kept_transients_step_bitwise_as_fresh_ones(recipe, opt_name, monkeypatch):
+    # A small model keeps its step's fp32 transients and their views (4 B/param with a master copy, 8
+    # without) and fills the same memory every step. That changes no number: six steps, with an
+    # overflow planted at step 1 and a gradient missing at step 3 (laid out afresh that step), equal
+    # the same run with nothing kept (_SMALL_KEPT = 0), bit for bit, losses and skips included.
+    def run():
+        model = tiny_model()
+        mp = MixedPrecision(model, OPTIMIZERS[opt_name](model.parameters()), recipe, seed=3)
+        seen, losses, skipped = [], [], []
+        mp.optimizer.register_step_pre_hook(lambda *_: seen.append(
+            [None if m.grad is None else m.grad.data_ptr() for m in mp.master.masters]))
+        for step, (x, y) in enumerate(batches(6)):
+            with mp.autocast():
+                loss = F.cross_entropy(model(x), y)
+            mp.backward(loss)
+            if step == 1:
+                model[0].weight.grad.view(-1)[5] = math.inf
+            if step == 3:
+                model[3].bias.grad = None
+            skipped.append(mp.step().skipped)
+            losses.append(loss.item())
+            assert all(m.grad is None for m in mp.master.masters)   # no fp32 gradient outlives the step
+            mp.zero_grad()
+        return mp, seen, losses, skipped
+
+    kept, seen, losses, skipped = run()
+    low = sum(p.numel() for p in kept.master.model_params)
+    assert kept.master.workspace_bytes == (4 if kept.master.keep else 8) * low
+    assert skipped == [False, True, False, False, False, False]
+    # The same addresses at every step taken with every gradient (seen: steps 0, 2, 3, 4, 5; step 3
+    # lacked one and laid out afresh).
+    assert len({tuple(ptrs) for i, ptrs in enumerate(seen) if i != 2}) == 1
+    monkeypatch.setattr(master_module, "_SMALL_KEPT", 0)
+    fresh, _, fresh_losses, fresh_skipped = run()
+    assert fresh.master.workspace_bytes == 0
+    assert (losses, skipped) == (fresh_losses, fresh_skipped)
+    assert_same_state(master_state(kept), master_state(fresh))
+
+
+def test_kept_gradient_bytes_fit_4_mib():
+    assert master_module.kept_gradient_bytes(2**20, keep=True) == 4 * 2**20       # 4 MiB: kept
+    assert master_module.kept_gradient_bytes(2**20 + 1, keep=True) == 0
+    assert master_module.kept_gradient_bytes(2**19, keep=False) == 8 * 2**19      # weights and gradients
+    assert master_module.kept_gradient_bytes(2**19 + 1, keep=False) == 0
