@@ -115,7 +115,8 @@ def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = Fa
             loss.backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-            if not guarded or torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True).isfinite():
+            if not guarded or torch.nn.utils.get_total_norm([p.grad for p in params],
+                                                             foreach=True).isfinite():
                 opt_step()
         else:
             scaler.scale(loss).backward()

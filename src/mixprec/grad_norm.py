@@ -12,8 +12,8 @@ the optimizer moves a single weight. Under a pure recipe the optimizer steps fp3
   ms, where a cast and a BLAS dot take 4.9 ms). ATen's own norm kernels on 16-bit input were measured
   10x slower (``_foreach_norm``: 41 ms).
 - CPU, one process, gradients that fit one block together (a small model: at most ``block`` elements
-  in all, dense or sparse): ``global_norm_f32``, one ``_foreach_norm`` and the norm of the norms, three ops. At these
-  sizes the ops' dispatch is the cost, not the reading: the tiny benchmark model's six gradients take
+  in all, dense or sparse): ``global_norm_f32``, one ``_foreach_norm`` and the norm of the norms, three
+  ops. At these sizes the ops' dispatch is the cost, not the reading: the tiny benchmark model's six gradients take
   40-54 us this way against 116 us cast into a scratch and dotted (1 thread; 1M 16-bit values: 290-380
   against 320-480), and the compiled step and CUDA read them the same way.
 - CPU otherwise (larger models, or where the compiler is missing): each block of at most ``block``
@@ -138,7 +138,8 @@ class GradNorm:
         if not grads:
             raise ValueError("GradNorm needs at least one gradient")
         local = sync is None or sync.kind is SyncKind.LOCAL
-        if grads[0].device.type != "cpu" or torch.compiler.is_compiling() or (local and self._fits(grads)):
+        small = local and self._fits(grads)
+        if grads[0].device.type != "cpu" or torch.compiler.is_compiling() or small:
             # One launch reads every dtype (CUDA); a compiled graph fuses the casts into its reduction;
             # a small model's few small gradients cost their ops' dispatch, which three ops keep low.
             self.scratch_bytes = 0

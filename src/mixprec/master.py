@@ -16,7 +16,8 @@ Two lifetimes, one mechanism:
   exactly, at 2 + 2 B/param (``kahan.py``).
 
 No fp32 gradient is held between steps (the usual 16 B/param with Adam: 2 weights + 2 gradients + 4
-master + 8 moments), but for a small model's (below). ``step`` walks the optimizer's tensors in chunks of at most ``chunk_bytes`` of fp32
+master + 8 moments; a small model's few MiB aside, below). ``step`` walks the optimizer's tensors in
+chunks of at most ``chunk_bytes`` of fp32
 transients (the chunk's gradients, and for ``keep=False`` its weights): it casts the chunk's 16-bit
 gradients into fp32, lets the optimizer step only that chunk, rounds the result into the model and
 frees the transients before the next chunk. So the step's extra memory is bounded by ``chunk_bytes``
@@ -30,7 +31,7 @@ its gradients, a few elementwise ops over the flat buffer round it (``stochastic
 one ``torch._foreach_copy_`` casts or copies the result into the model. What stays per tensor is
 Python bookkeeping that reads no data (pointing each copy at its view, and back at an empty tensor).
 With ``keep=False`` one buffer of the largest chunk's size serves every chunk of a step and is freed
-when the step ends.
+when the step ends (a small model's is kept, below).
 
 On CPU the chunks of a step in several chunks, and a single chunk of at least ``_WORKSPACE_MIN`` (32
 MiB) of fp32 gradients, are cast into one flat fp32 workspace that is kept between steps (the largest
@@ -39,12 +40,13 @@ casts afresh was measured 2-3x slower there (benchmarks/RESULTS.md, page faults 
 4 MiB chunks of 16 MiB tensors 7 ms of a 24 ms step). CUDA's caching allocator reuses the freed block
 by itself, so on CUDA large chunks keep nothing.
 
-A small model (``keep=True``, fp32 gradients of at most ``_SMALL_KEPT`` = 4 MiB in one chunk, every
-gradient dense and contiguous) keeps its workspace and the views of it between steps, on every device:
-laying them out again cost a third of the pure step's host work (about 15 aten ops for 6 tensors),
-which is all a small model's GPU step waits for. That is 4 B/param (at most 4 MiB) held through the
-forward and backward too; ``memory_report`` counts it (``kept_gradient_bytes``). Other models keep no
-fp32 gradient between steps.
+A small model, whose step's fp32 transients fit ``_SMALL_KEPT`` (4 MiB) in one chunk, keeps them and
+their views between steps, on every device: with ``keep=True`` the gradient workspace (4 B/param; while
+every gradient is dense and contiguous, ``_kept_views``), with ``keep=False`` the [weights | gradients]
+buffer (8 B/param, ``_transient_layout``). Laying them out again cost a third of such a step's host
+work (15-30 aten ops for 6 tensors), which is all a small model's GPU step waits for. They are held
+through the forward and backward too; ``memory_report`` counts them (``kept_gradient_bytes``) and
+``workspace_bytes`` says them. Other models keep nothing between steps.
 
 The engine reads the global norm before the first chunk steps, from the model's 16-bit gradients
 (``grad_norm.GradNorm``: no fp32 copies), whatever the chunking: the same tensors read the same way, so
@@ -79,8 +81,8 @@ __all__ = ["MasterWeights", "DEFAULT_CHUNK_BYTES", "kept_gradient_bytes"]
 # large enough that a step makes few calls (a 7B model: ~420, each a multi-tensor kernel on CUDA).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 _WORKSPACE_MIN = 32 * 2**20      # CPU: fp32 gradient chunks this large go into a kept workspace
-# Any device: a one-chunk step's fp32 gradients up to this size go into a workspace kept between steps,
-# laid out once (see MasterWeights._small_views).
+# Any device: a one-chunk step's fp32 transients up to this size stay between steps,
+# laid out once (MasterWeights._kept_views, _transient_layout).
 _SMALL_KEPT = 4 * 2**20
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -331,7 +333,8 @@ class MasterWeights:
                 n = sum([self._numel[i] for i in which])
                 flat = buffer[:2 * n] if buffer is not None else torch.empty(2 * n, dtype=torch.float32,
                                                                               device=self.device)
-                weights_flat, weights, slot_views = flat[:n], _views(flat[:n], params), _views(flat[n:], params)
+                weights_flat, weights = flat[:n], _views(flat[:n], params)
+                slot_views = _views(flat[n:], params)
             torch._foreach_copy_(weights, params)    # bf16 -> fp32: exact
             if self.kahan is not None:               # + the compensations: the fp32 values, exactly
                 self.kahan.join_(weights_flat, which, self._runs(which))
@@ -384,8 +387,8 @@ class MasterWeights:
     def workspace_bytes(self) -> int:
         """Bytes of fp32 transients kept between steps: the gradient workspace (a small model's with a
         master copy, or the CPU's large chunks) or a small model's [weights | gradients] buffer without."""
-        kept = [t for t in (self._workspace, None if self._layout is None else self._layout[0]) if t is not None]
-        return sum([t.untyped_storage().nbytes() for t in kept])
+        kept = [self._workspace, None if self._layout is None else self._layout[0]]
+        return sum([t.untyped_storage().nbytes() for t in kept if t is not None])
 
     def _kept_views(self, which: list[int], params: list[nn.Parameter],
                     dense: list[nn.Parameter]) -> list[torch.Tensor] | None:
@@ -565,7 +568,8 @@ class MasterWeights:
                             buffer[n:].view(torch.int32))
         return self._layout
 
-    def _rounded_as(self, rounded: torch.Tensor, targets: list[torch.Tensor], which: list[int]) -> list[torch.Tensor]:
+    def _rounded_as(self, rounded: torch.Tensor, targets: list[torch.Tensor],
+                    which: list[int]) -> list[torch.Tensor]:
         """``rounded`` (a strided bf16 view) as tensors shaped like ``targets``: made once for the kept
         layout's buffer (the same view of the same memory at every step), afresh otherwise."""
         if which is not self._order or self._layout is None:

@@ -142,11 +142,11 @@ def step_transients(recipe: Any, build: Callable[[list[nn.Parameter]], torch.opt
             with mp.autocast():
                 loss = torch.stack([t.float().sum() for t in trainable]).sum() * 2.0**-10
             mp.backward(loss)
-            # Gradient copies the step keeps from the step before (fp32 master gradients) count too.
-            # A small model's fp32 transients, kept between steps, are what the step fills.
-            kept = sum(m.grad.untyped_storage().nbytes() for m in (mp.master.masters if mp.master else [])
-                       if m.grad is not None) if mp.master is None or not mp.master.workspace_bytes \
-                else mp.master.workspace_bytes
+            # Gradient copies the step keeps from the step before (fp32 master gradients) count too;
+            # so does a small model's buffer of fp32 transients, kept between steps, that the step fills.
+            kept = (mp.master.workspace_bytes if mp.master is not None else 0) or sum(
+                m.grad.untyped_storage().nbytes() for m in (mp.master.masters if mp.master else [])
+                if m.grad is not None)
             with LiveBytesMeter() as meter:
                 mp.step()
             mp.zero_grad()

@@ -36,10 +36,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..engine import MixedPrecision
 from ..casting import low_precision_params
-from ..master import kept_gradient_bytes
 from ..compact_adamw import moment_bytes
+from ..engine import MixedPrecision
+from ..master import kept_gradient_bytes
 from ..model_io import call_model, output_loss
 from ..recipe import Precision, Recipe, get_recipe
 from ..recipe.moments import Moments
@@ -228,7 +228,7 @@ def _peak(predicted: MemoryBreakdown, inputs: tuple[int, int], recipe: Recipe, o
     """The step's peak (memory_peak.py): the forward/backward's, or step()'s on top of the state after
     the backward; the optimizer state is alive at both moments."""
     batch_bytes, grads_at_step = inputs
-    # A small model's fp32 gradient workspace (pure recipes) outlives the step: alive in the backward too.
+    # A small model's fp32 transients (pure, bf16-sr, bf16-kahan) outlive the step: alive in the backward.
     low = sum(p.numel() for p in low_precision_params(model, recipe))
     kept = kept_gradient_bytes(low, recipe.master is not None) if low else 0
     forward_backward = predicted.peak + predicted.optimizer + kept

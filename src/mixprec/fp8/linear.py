@@ -140,7 +140,8 @@ class Fp8Linear(nn.Linear, Fp8LayerState):
         # torch-function mode tracing (torch.export), flipping its flag around the call is what
         # torch.autocast(enabled=False) does there (an outer autocast holds the nesting, so no cache is
         # cleared) in two C calls instead of about twenty Python ones per layer and step.
-        if autocast_on and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled():
+        if (autocast_on and not torch.compiler.is_compiling()
+                and not torch._C._is_torch_function_mode_enabled()):
             torch.set_autocast_enabled(device_type, False)
             try:
                 out = fn.apply(x2d, self._weight_out_in(), self, out_dtype, record)         # (M, N)
