@@ -88,16 +88,30 @@ def test_bad_chunk_size_names_the_fix():
                       chunk_bytes=0)
 
 
+class _Watch:
+    """A step observer that reads nothing: with one the copies are filled whole (pull_grads/push_weights)."""
+
+    def before_step(self, engine):
+        pass
+
+    def after_step(self, engine, found_inf):
+        pass
+
+
 @pytest.mark.parametrize("recipe", ["fp16-pure", "bf16-pure", "bf16-sr", "bf16-kahan"])
 @pytest.mark.parametrize("opt_name", ["adamw-fused", "sgd-momentum"])
-def test_a_small_models_kept_transients_step_bitwise_as_fresh_ones(recipe, opt_name, monkeypatch):
+@pytest.mark.parametrize("whole", [False, True], ids=["chunked", "whole"])
+def test_a_small_models_kept_transients_step_bitwise_as_fresh_ones(recipe, opt_name, whole, monkeypatch):
     # A small model keeps its step's fp32 transients and their views (4 B/param with a master copy, 8
-    # without) and fills the same memory every step. That changes no number: six steps, with an
+    # without) and fills the same memory every step, in the chunk-by-chunk step and where the copies
+    # are filled whole (an observer, a compiled step). That changes no number: six steps, with an
     # overflow planted at step 1 and a gradient missing at step 3 (laid out afresh that step), equal
     # the same run with nothing kept (_SMALL_KEPT = 0), bit for bit, losses and skips included.
     def run():
         model = tiny_model()
         mp = MixedPrecision(model, OPTIMIZERS[opt_name](model.parameters()), recipe, seed=3)
+        if whole:
+            mp.add_step_observer(_Watch())
         seen, losses, skipped = [], [], []
         mp.optimizer.register_step_pre_hook(lambda *_: seen.append(
             [None if m.grad is None else m.grad.data_ptr() for m in mp.master.masters]))
@@ -111,8 +125,8 @@ def test_a_small_models_kept_transients_step_bitwise_as_fresh_ones(recipe, opt_n
                 model[3].bias.grad = None
             skipped.append(mp.step().skipped)
             losses.append(loss.item())
-            assert all(m.grad is None for m in mp.master.masters)   # no fp32 gradient outlives the step
             mp.zero_grad()
+            assert all(m.grad is None for m in mp.master.masters)   # no fp32 gradient outlives the step
         return mp, seen, losses, skipped
 
     kept, seen, losses, skipped = run()

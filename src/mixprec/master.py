@@ -311,9 +311,14 @@ class MasterWeights:
         by position (default: all, in the optimizer's order); ``chunked``: they are one chunk of several
         (CPU: the workspace).
         """
+        buffer = None
         if which is None:
             self.adopt_model_changes()
-        self._pull(self._order if which is None else list(which), chunked, None)
+            # All copies, transient: a small model's kept buffer (the same addresses at every step,
+            # which a CUDA graph of the compiled step replays on).
+            layout = None if self.keep or chunked else self._transient_layout()
+            buffer = None if layout is None else layout[0]
+        self._pull(self._order if which is None else list(which), chunked, buffer)
 
     @_without_grad
     def _pull(self, which: list[int], chunked: bool, buffer: torch.Tensor | None) -> None:

@@ -18,7 +18,8 @@ on a GPU (``tests/gpu/test_compile_cuda.py``). Recipes with fp32 copies fill the
 eagerly around the graph (one multi-tensor copy each way); ``bf16-sr`` and ``bf16-kahan`` build those
 copies afresh each step, so under CUDA graphs their addresses change from step to step, which a
 recorded graph cannot replay (expect it to be recorded again; not yet measured on a GPU): compile their
-step without ``mode="reduce-overhead"``. torch's ``optimizer.step()`` itself breaks the
+step without ``mode="reduce-overhead"``, unless the model is small (fp32 weights and gradients within
+4 MiB: ``MasterWeights`` keeps one buffer for them, at the same addresses every step). torch's ``optimizer.step()`` itself breaks the
 graph on each side (torch/optim/optimizer.py, so that AOTAutograd sees it as an inference graph): the
 step is three graphs, norm and divisor / the fused optimizer / the scale update, each one replay.
 
