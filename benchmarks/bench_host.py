@@ -65,8 +65,10 @@ def baseline_dtype(recipe: str) -> torch.dtype:
     return torch.float16 if mixprec.get_recipe(recipe).compute is mixprec.Precision.FP16 else torch.bfloat16
 
 
-def mixprec_step(recipe: str, clip: float | None, device, compiled: bool = False) -> Callable[[], None]:
-    """One whole mixprec step on the tiny model; ``compiled``: compiled model + captured step."""
+def mixprec_step(recipe: str, clip: float | None, device, compiled: bool = False,
+                 grads_to_none: bool | None = None) -> Callable[[], None]:
+    """One whole mixprec step on the tiny model; ``compiled``: compiled model + captured step.
+    ``grads_to_none``: ``zero_grad(set_to_none=...)`` (default: kept at fixed addresses when compiled)."""
     model = tiny_model(device)
     x, y = batch(device)
     with warnings.catch_warnings():
@@ -84,7 +86,7 @@ def mixprec_step(recipe: str, clip: float | None, device, compiled: bool = False
             loss = F.cross_entropy(forward(x), y)
         mp.backward(loss)
         mp.step()
-        mp.zero_grad(set_to_none=not compiled)
+        mp.zero_grad(set_to_none=not compiled if grads_to_none is None else grads_to_none)
     return step
 
 
@@ -237,6 +239,11 @@ def cuda_captured(args, device) -> None:
                         "mixprec eager": mixprec_step(recipe, clip, device)}
             try:
                 variants["mixprec captured"] = mixprec_step(recipe, clip, device, compiled=True)
+                # The 2026-11-27 H100 failure ("accessing tensor output of CUDAGraphs that has been
+                # overwritten") may be the gradients kept between steps as outputs of the model's
+                # backward graph: the same step with them set to None at each zero_grad.
+                variants["captured, grads None"] = mixprec_step(recipe, clip, device, compiled=True,
+                                                                grads_to_none=True)
             except ValueError as e:       # a recipe that cannot capture its step says why
                 print(f"{recipe:<10}{clip_word(clip):>6}  mixprec captured: not run: {e}")
             times: dict[str, list[float]] = {name: [] for name in variants}
