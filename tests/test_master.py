@@ -116,6 +116,38 @@ def test_chunk_rounding_is_unbiased_and_its_noise_pairwise_independent(value):
     assert 0.85 < per_element.var().item() / (steps * p * (1 - p)) < 1.15
 
 
+def _alone(noise: RoundingNoise) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's tables hashed alone, as a traced step hashes them (the batch's reference)."""
+    return noise._split(noise._hashed(noise.rounds))
+
+
+def test_tables_hashed_ahead_are_those_hashed_alone_through_skips_batches_and_a_reload():
+    # Eager steps pick their tables from a batch hashed for the next 64 step counts (2 ops a step,
+    # not ~25). Every step's pick must equal that step's tables hashed alone: through skipped steps
+    # (rounds stays, the same row again), past the batch's end (rehashed after 64 advances), across a
+    # set_state (a resumed run: the batch is dropped) and after a traced advance the object cannot count.
+    noise = RoundingNoise(seed=11, numel=19_209, device="cpu")
+    assert noise._ahead == 64
+    skips = torch.Generator().manual_seed(0)
+    traced_advance = torch.compile(noise.advance, backend="eager", fullgraph=True)
+    for step in range(260):
+        picked = noise.tables()
+        assert all(torch.equal(a, b) for a, b in zip(picked, _alone(noise))), step
+        if step == 90:      # a resume elsewhere in the stream
+            noise.set_state(torch.tensor([11, 0, 5000], dtype=torch.int64))
+        elif 150 <= step < 150 + 64:   # advanced inside a graph, a whole batch's worth, uncounted
+            traced_advance(torch.tensor(False))
+        else:
+            noise.advance(torch.rand((), generator=skips) < 0.3)
+    assert noise._batch is not None and 5000 + 64 < int(noise.rounds) < 5000 + 170
+
+
+def test_a_model_too_large_to_batch_hashes_each_step_alone():
+    # Tables of 2**18 entries or more: no batch is held (its memory would buy nothing at that size).
+    noise = RoundingNoise(seed=1, numel=2**34, device="meta")
+    assert noise._ahead < 2
+
+
 def test_seeds_give_unrelated_noise():
     # Seeds 0 and 1 (and one past 2**32) share no stretch of noise, shifted or not: about 1 equal
     # value in 65536 is chance.

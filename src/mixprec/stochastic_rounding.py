@@ -25,6 +25,8 @@ import torch
 __all__ = ["RoundingNoise", "stochastic_round_bf16", "stochastic_round_bf16_"]
 
 _MASK32 = 0xFFFFFFFF
+_AHEAD_STEPS = 64             # steps of rounding-noise tables hashed in one batch (RoundingNoise.tables)
+_AHEAD_ENTRIES = 1 << 18      # at most this many int32 entries in that batch (1 MiB)
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0    # which bf16-sized half of an fp32 is its top
 
 
@@ -128,6 +130,13 @@ class RoundingNoise:
         self.width = 1 << max(0, math.isqrt(max(numel - 1, 0)).bit_length())
         self.rows = -(-numel // self.width)
         self.rounds = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Tables for the next ``_ahead`` steps, hashed in one batch (``tables``): 2 small ops a step
+        # instead of ~25. At most _AHEAD_ENTRIES int32 held; a model too large for two steps' worth
+        # hashes each step's tables alone, as its compute dwarfs the launches anyway.
+        self._ahead = min(_AHEAD_STEPS, _AHEAD_ENTRIES // (self.width + self.rows))
+        self._batch: torch.Tensor | None = None     # (_ahead, width + rows) int32: rows for origin + j
+        self._origin: torch.Tensor | None = None    # rounds when the batch was hashed (device)
+        self._advances = 0                          # advance() calls since then: rounds - origin <= this
         self._seed(seed % 2**64)        # any int: Python's modulo maps negatives into [0, 2**64)
 
     def _seed(self, seed64: int) -> None:
@@ -139,16 +148,40 @@ class RoundingNoise:
         # Per entry and seed, fixed for the run (hashed once here): a step only xors its own word in.
         # The index times 0x9E3779B9 (2**32 / golden ratio, odd) spreads neighbouring entries apart.
         self._base = _mix32((index * 0x9E3779B9 + word) & _MASK32)
+        self._batch = None
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's ``(T, U)``: int32 in [0, 2**16), ``width`` and ``rows`` entries. No sync."""
+        """This step's ``(T, U)``: int32 in [0, 2**16), ``width`` and ``rows`` entries. No sync.
+
+        Eager, the tables of the next steps are hashed together once (``_ahead`` of them: a row per
+        step count from the current one on) and each step picks its row by ``rounds`` on the device,
+        so a skipped step, which leaves ``rounds`` where it was, picks the same row again. Row ``j``
+        is bit for bit the tables hashed alone at ``origin + j``. The batch is hashed afresh once
+        ``advance`` has been called ``_ahead`` times since (``rounds - origin`` can only have
+        reached that then) or the state was set. Traced (``torch.compile``): hashed alone, in the
+        graph, and the batch is dropped (the graph moves ``rounds`` where this object cannot count).
+        """
+        if self._ahead < 2 or torch.compiler.is_compiling():
+            self._batch = None
+            return self._split(self._hashed(self.rounds))
+        if self._batch is None or self._advances >= self._ahead:
+            steps = self.rounds + torch.arange(self._ahead, dtype=torch.int64, device=self.device)
+            self._batch = self._hashed(steps[:, None])                        # (ahead, width + rows)
+            self._origin, self._advances = self.rounds.clone(), 0
+        row = self._batch.index_select(0, (self.rounds - self._origin).view(1))
+        return self._split(row.view(-1))
+
+    def _hashed(self, rounds: torch.Tensor) -> torch.Tensor:
+        """The entries of T then U for step count(s) ``rounds`` (int64, broadcast against the entries)."""
         # The step's word: steps taken times 0x9E3779B9 (odd: distinct for 2**32 steps, and far
         # apart for neighbouring ones), used as 0x9E3779B9 - 2**32 so the int64 product cannot overflow.
-        word = ((self.rounds & _MASK32) * -0x61C88647) & _MASK32
+        word = ((rounds & _MASK32) * -0x61C88647) & _MASK32
         # Hashed twice: one round leaves a measurable correlation between a position's noise in one
         # step and the next (lag-1 correlation 0.0017 +- 0.0007 over 6M draws; twice: 0.0002).
         # The high 16 bits of the hash: the multiplications carry low bits up, so those mix best.
-        entries = (_mix32(_mix32(self._base ^ word)) >> 16).to(torch.int32)
+        return (_mix32(_mix32(self._base ^ word)) >> 16).to(torch.int32)
+
+    def _split(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return entries[:self.width], entries[self.width:]
 
     def fill_(self, out: torch.Tensor, start: int, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -173,6 +206,10 @@ class RoundingNoise:
             self.rounds += 1
         else:
             self.rounds += found_inf.reshape(()).eq(0)
+        if torch.compiler.is_compiling():
+            self._batch = None      # a Python count in a graph would be a guard: hash afresh after it
+        else:
+            self._advances += 1
 
     def get_state(self) -> torch.Tensor:
         """int64 ``[seed low 32 bits, seed high 32 bits, steps taken]`` on the CPU (syncs)."""
@@ -192,5 +229,5 @@ class RoundingNoise:
     def set_state(self, state: torch.Tensor) -> None:
         self.check_state(state)
         lo, hi, rounds = state.tolist()
-        self._seed(lo | hi << 32)
+        self._seed(lo | hi << 32)      # drops the batch of tables: hashed afresh from these rounds
         self.rounds.fill_(rounds)
