@@ -27,7 +27,6 @@ stochastic-rounding seed and backward count and the random Hadamard signs.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -70,27 +69,32 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # The backward runs outside autocast unless the user's own is on here: only then turn it off
+        # (entering torch.autocast costs a dozen Python calls per layer, every step).
+        device_type = grad_out.device.type
+        if torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return _Fp8LinearFn._grads(ctx, grad_out)
+        return _Fp8LinearFn._grads(ctx, grad_out)
+
+    @staticmethod
+    def _grads(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_t, w_t, inv_x, inv_w, s_x, a_x, c_x, s_w, a_w, c_w = ctx.saved_tensors
         layer = ctx.layer
+        g_q, g_t, s_g, a_g, c_g = layer._cast_pair("grad_output", grad_out, True, ctx.needs_input_grad[1])
         if ctx.record:
             # The forward's casts enter the scale state here, once per real forward: under activation
             # checkpointing the forward runs twice (the recompute with grad enabled) but this backward
             # once, and the recompute, seeing the history unchanged, casts exactly as the forward did.
-            layer._record("input", s_x, a_x, c_x)
-            layer._record("weight", s_w, a_w, c_w)
-        # The backward runs outside autocast unless the user's own is on here: only then turn it off
-        # (entering torch.autocast costs a dozen Python calls per layer, every step).
-        device_type = grad_out.device.type
-        with (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
-              else contextlib.nullcontext()):
-            g_q, g_t, s_g, a_g, c_g = layer._cast_pair("grad_output", grad_out, True, ctx.needs_input_grad[1])
+            layer._record("input", s_x, a_x, c_x, "weight", s_w, a_w, c_w, "grad_output", s_g, a_g, c_g)
+        else:
             layer._record("grad_output", s_g, a_g, c_g)
-            inv_g = s_g.reciprocal()                                  # g_q (M, N) e5m2, g_t (N, M)
-            grad_x = grad_w = None
-            if ctx.needs_input_grad[0]:
-                grad_x = layer._mm(g_q, w_t.t(), inv_g, inv_w, ctx.x_dtype)     # (M,N)@(N,K)
-            if ctx.needs_input_grad[1]:
-                grad_w = layer._mm(g_t, x_t.t(), inv_g, inv_x, ctx.w_dtype)     # (N,M)@(M,K)
+        inv_g = s_g.reciprocal()                                  # g_q (M, N) e5m2, g_t (N, M)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = layer._mm(g_q, w_t.t(), inv_g, inv_w, ctx.x_dtype)     # (M,N)@(N,K)
+        if ctx.needs_input_grad[1]:
+            grad_w = layer._mm(g_t, x_t.t(), inv_g, inv_x, ctx.w_dtype)     # (N,M)@(M,K)
         return grad_x, grad_w, None, None, None
 
 

@@ -66,7 +66,8 @@ def _from_amax(amax: torch.Tensor, fmt: Format, margin: int, pow2: bool) -> torc
 
 def current_scale(amax: torch.Tensor, fmt: Format, *, margin: int = 0, pow2: bool = False) -> torch.Tensor:
     """The scale for a tensor whose amax is ``amax`` now; 1 where amax is 0, inf or NaN."""
-    return torch.where(_usable(amax), _from_amax(amax, fmt, margin, pow2), 1.0)
+    # _usable(amax), inline: this runs for every cast of every step.
+    return torch.where((amax > 0) & (amax < float("inf")), _from_amax(amax, fmt, margin, pow2), 1.0)
 
 
 def delayed_scale(history: torch.Tensor, amax_now: torch.Tensor, prev_scale: torch.Tensor, fmt: Format, *,
