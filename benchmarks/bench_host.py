@@ -17,12 +17,16 @@ rounding and fp8 recipes against torch.amp bf16 (fp16-pure against fp16 + GradSc
 the torch.amp loop calls ``clip_grad_norm_(foreach=True)``. ``--profile`` prints where each recipe's
 calls go (calls per step by function), the table RESULTS.md keeps.
 
+``--torchao`` adds fp8 (per-tensor current scaling) against torchao's own fp8 training of the same
+model (``convert_to_float8_training``: per-tensor dynamic scaling, the same formats), where torchao is
+installed.
+
 On CUDA (``--device cuda``) the same tiny model is also timed captured: mixprec with a compiled model
 and ``mp.compile_step(mode="reduce-overhead")`` (one CUDA-graph replay for the step) against torch.amp's
 loop with ``torch.compile(model, mode="reduce-overhead")`` and a compiled fused AdamW step.
 
 Usage: python benchmarks/bench_host.py [--recipes bf16,fp16,...] [--clips none,1.0] [--pairs 200]
-       [--no-time] [--profile] [--guarded] [--device cpu|cuda] [--threads 1]
+       [--no-time] [--profile] [--guarded] [--torchao] [--device cpu|cuda] [--threads 1]
 On a GPU (a few minutes, mostly compiling):
        python benchmarks/bench_host.py --device cuda --recipes bf16,fp16,bf16-pure --clips none --pairs 200
 """
@@ -128,6 +132,31 @@ def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = Fa
             scaler.step(opt)
             scaler.update()
         opt.zero_grad(set_to_none=not compiled)
+    return step
+
+
+def torchao_step(clip: float | None, device) -> Callable[[], None] | None:
+    """torchao's fp8 training on the same loop: ``convert_to_float8_training`` (its default: per-tensor
+    dynamic scaling, e4m3 forward, e5m2 output gradients: mixprec's ``fp8``) under bf16 autocast, fused
+    AdamW, ``clip_grad_norm_`` with a clip. None where torchao is not installed."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return None
+    model = tiny_model(device)
+    convert_to_float8_training(model)
+    x, y = batch(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    params = list(model.parameters())
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        opt.step()
+        opt.zero_grad()
     return step
 
 
@@ -279,6 +308,9 @@ def main() -> None:
     ap.add_argument("--guarded", action="store_true",
                     help="also each bf16-baseline recipe without clip against torch.amp bf16 that skips "
                          "inf/NaN steps as mixprec does (get_total_norm, step only where finite)")
+    ap.add_argument("--torchao", action="store_true",
+                    help="also fp8 (per-tensor current scaling) against torchao's fp8 training of the "
+                         "same model, where torchao is installed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -313,6 +345,19 @@ def main() -> None:
                         f"{c_ours.total / c_guard.total:>10.2f}")
                 if not args.no_time:
                     r, ta, tb, fastest = interleaved_ratio(ours, guarded, args.pairs, device)
+                    line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
+                print(line, flush=True)
+            if args.torchao and recipe.split(",")[0] == "fp8" and mixprec.get_recipe(recipe).fp8.scaling.value == "current":
+                # Per-tensor current scaling against torchao's own fp8 training of the same model.
+                ao = torchao_step(clip, device)
+                if ao is None:
+                    print(f"{recipe:<11}{clip_word(clip):>5}  torchao: not installed (pip install torchao)")
+                    continue
+                c_ao = count_calls(ao)
+                line = (f"{recipe:<11}{clip_word(clip):>5}{'torchao fp8':>18}{c_ours.total:>7}"
+                        f"{c_ours.python:>6}{c_ao.total:>10}{c_ao.python:>6}{c_ours.total / c_ao.total:>10.2f}")
+                if not args.no_time:
+                    r, ta, tb, fastest = interleaved_ratio(ours, ao, args.pairs, device)
                     line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
                 print(line, flush=True)
     if args.profile:

@@ -168,8 +168,8 @@ class RoundingNoise:
             steps = self.rounds + torch.arange(self._ahead, dtype=torch.int64, device=self.device)
             self._batch = self._hashed(steps[:, None])                        # (ahead, width + rows)
             self._origin, self._advances = self.rounds.clone(), 0
-        row = self._batch.index_select(0, (self.rounds - self._origin).view(1))
-        return self._split(row.view(-1))
+        row = self._batch.index_select(0, (self.rounds - self._origin).view(1)).view(-1)
+        return row[:self.width], row[self.width:]
 
     def _hashed(self, rounds: torch.Tensor) -> torch.Tensor:
         """The entries of T then U for step count(s) ``rounds`` (int64, broadcast against the entries)."""
