@@ -95,7 +95,8 @@ class RoundingNoise:
 
     Why not ``torch.randint`` per element: a CPU generator draws one 32-bit number per element in a
     serial loop, measured at 11-20 ms for 3.3M elements on a 2-core CPU, where the whole rounding
-    below takes ~3 ms. So each step makes two small tables and the noise of element ``g`` (its
+    below takes ~3 ms. So each step has two small tables (eager steps pick them from a batch hashed
+    for the next steps at once: ``tables``) and the noise of element ``g`` (its
     position among all the step's fp32 copies laid end to end, in the optimizer's order) is::
 
         noise[g] = T[g % M] ^ U[g // M]          M a power of two >= sqrt(numel), len(U) = ceil(numel / M)
