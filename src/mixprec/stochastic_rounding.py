@@ -206,7 +206,7 @@ class RoundingNoise:
         if found_inf is None:
             self.rounds += 1
         else:
-            self.rounds += found_inf.reshape(()).eq(0)
+            self.rounds += found_inf.reshape(()).logical_not()     # 1 where stepped (a float or bool flag)
         if torch.compiler.is_compiling():
             self._batch = None      # a Python count in a graph would be a guard: hash afresh after it
         else:

@@ -39,7 +39,7 @@ def _cast_role(x: torch.Tensor, scale_buf: torch.Tensor, amax_buf: torch.Tensor,
     """``(q, q^T contiguous or None, scale, amax)`` for one role, updating the scale state when ``record``
     (Fp8Linear passes False and records in its backward, once per real forward).
 
-    The same steps as ``Fp8Linear._scale`` + ``cast_to_fp8`` (see there for the numerics).
+    The same steps as ``Fp8LayerState._cast`` + ``cast_to_fp8`` (see there for the numerics).
     """
     amax = amax_f32(x)
     if history is not None:

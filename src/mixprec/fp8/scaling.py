@@ -21,6 +21,8 @@ Every function here works on device tensors and never syncs with the host.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..formats import FP8_E4M3, FP8_E5M2, Format, quantize
@@ -40,10 +42,12 @@ def amax_f32(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.detach(), float("inf")).to(torch.float32)
 
 
-def _usable(amax: torch.Tensor) -> torch.Tensor:
-    # An amax that can set a scale: positive and finite (0, inf and NaN cannot). NaN fails both
-    # comparisons, -inf the first: three ops where isfinite() & (amax > 0) takes six on a CPU.
-    return (amax > 0) & (amax < float("inf"))
+def _usable_or_zero(amax: torch.Tensor) -> torch.Tensor:
+    """``amax`` where it can set a scale (positive and finite), 0 where it cannot (0, inf, NaN): an amax
+    is a largest magnitude, never negative. ``.bool()`` of the result says which. Scalar-argument
+    kernels only: a comparison with a Python number (``amax > 0``) wraps the number in a tensor first,
+    about 4 us a comparison on a CPU, and a cast makes several."""
+    return amax.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _from_amax(amax: torch.Tensor, fmt: Format, margin: int, pow2: bool) -> torch.Tensor:
@@ -66,8 +70,8 @@ def _from_amax(amax: torch.Tensor, fmt: Format, margin: int, pow2: bool) -> torc
 
 def current_scale(amax: torch.Tensor, fmt: Format, *, margin: int = 0, pow2: bool = False) -> torch.Tensor:
     """The scale for a tensor whose amax is ``amax`` now; 1 where amax is 0, inf or NaN."""
-    # _usable(amax), inline: this runs for every cast of every step.
-    return torch.where((amax > 0) & (amax < float("inf")), _from_amax(amax, fmt, margin, pow2), 1.0)
+    amax = amax.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)     # _usable_or_zero, inline: every cast
+    return _from_amax(amax, fmt, margin, pow2).masked_fill_(amax.logical_not(), 1.0)
 
 
 def delayed_scale(history: torch.Tensor, amax_now: torch.Tensor, prev_scale: torch.Tensor, fmt: Format, *,
@@ -78,9 +82,9 @@ def delayed_scale(history: torch.Tensor, amax_now: torch.Tensor, prev_scale: tor
     or only zero/non-finite tensors seen), this cast's own amax ``amax_now`` stands in; where that too
     is unusable, ``prev_scale`` is kept.
     """
-    amax = history.amax() if algo == "max" else history[0]
-    amax = torch.where(_usable(amax), amax, amax_now)
-    return torch.where(_usable(amax), _from_amax(amax, fmt, margin, pow2), prev_scale)
+    amax = _usable_or_zero(history.amax() if algo == "max" else history[0])
+    amax = _usable_or_zero(torch.where(amax.bool(), amax, amax_now))
+    return torch.where(amax.bool(), _from_amax(amax, fmt, margin, pow2), prev_scale)
 
 
 def record_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
@@ -102,8 +106,10 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tens
     Bit for bit ``quantize(x * scale, fmt, saturate=True)`` (tests/test_fp8.py checks it).
     """
     y = x.to(torch.float32) * scale
-    special = y if fmt.has_inf else float("nan")
-    y = torch.where(torch.isinf(y), special, y.clamp(-fmt.max, fmt.max))   # clamp keeps NaN as NaN
+    if fmt.has_inf:
+        y = torch.where(torch.isinf(y), y, y.clamp(-fmt.max, fmt.max))       # clamp keeps NaN as NaN
+    else:   # +-inf -> NaN first (the clamp would make them +-max), in place on the product
+        y = torch.nan_to_num_(y, nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(-fmt.max, fmt.max)
     return y.to(fmt.torch_dtype)
 
 
