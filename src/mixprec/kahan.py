@@ -96,7 +96,7 @@ def add_compensation_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[in
     bits = flat.view(torch.int32)
     # A zero weight (magnitude bits 0) with c < 0 (low half now below 0x8000): the sub would borrow
     # through the sign into a NaN. No split makes that pair; the join makes it +0.0.
-    impossible = (bits & 0x7FFF8000) == 0
+    impossible = bits.bitwise_and(0x7FFF8000).logical_not()     # not `== 0`: no Python number to wrap
     bits.sub_(0x8000)
     bits.masked_fill_(impossible, 0)
 
