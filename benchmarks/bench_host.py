@@ -327,39 +327,31 @@ def main() -> None:
     for recipe in args.recipes.split(","):
         dtype = baseline_dtype(recipe)
         for clip in args.clip_values:
-            ours, theirs = mixprec_step(recipe, clip, device), amp_step(dtype, clip, device)
-            c_ours, c_theirs = count_calls(ours), count_calls(theirs)
-            base = "amp fp16+scaler" if dtype == torch.float16 else "amp bf16"
-            line = (f"{recipe:<11}{clip_word(clip):>5}{base:>18}{c_ours.total:>7}{c_ours.python:>6}"
-                    f"{c_theirs.total:>10}{c_theirs.python:>6}{c_ours.total / c_theirs.total:>10.2f}")
-            if not args.no_time:
-                r, ta, tb, fastest = interleaved_ratio(ours, theirs, args.pairs, device)
-                line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
-            print(line, flush=True)
-            if args.guarded and dtype == torch.bfloat16 and clip is None:
-                # The same recipe against torch.amp bf16 with the same inf/NaN skip (a careful user's).
-                guarded = amp_step(dtype, clip, device, guarded=True)
-                c_guard = count_calls(guarded)
-                line = (f"{recipe:<11}{clip_word(clip):>5}{'amp bf16+skip':>18}{c_ours.total:>7}"
-                        f"{c_ours.python:>6}{c_guard.total:>10}{c_guard.python:>6}"
-                        f"{c_ours.total / c_guard.total:>10.2f}")
+            ours = mixprec_step(recipe, clip, device)
+            c_ours = count_calls(ours)
+
+            def row(baseline: str, theirs: Callable[[], None]) -> None:
+                """One line: mixprec's step against ``theirs`` (calls, then interleaved times)."""
+                c_theirs = count_calls(theirs)
+                line = (f"{recipe:<11}{clip_word(clip):>5}{baseline:>18}{c_ours.total:>7}{c_ours.python:>6}"
+                        f"{c_theirs.total:>10}{c_theirs.python:>6}{c_ours.total / c_theirs.total:>10.2f}")
                 if not args.no_time:
-                    r, ta, tb, fastest = interleaved_ratio(ours, guarded, args.pairs, device)
+                    r, ta, tb, fastest = interleaved_ratio(ours, theirs, args.pairs, device)
                     line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
                 print(line, flush=True)
-            if args.torchao and recipe.split(",")[0] == "fp8" and mixprec.get_recipe(recipe).fp8.scaling.value == "current":
+
+            row("amp fp16+scaler" if dtype == torch.float16 else "amp bf16", amp_step(dtype, clip, device))
+            if args.guarded and dtype == torch.bfloat16 and clip is None:
+                # The same recipe against torch.amp bf16 with the same inf/NaN skip (a careful user's).
+                row("amp bf16+skip", amp_step(dtype, clip, device, guarded=True))
+            fp8 = mixprec.get_recipe(recipe).fp8
+            if args.torchao and fp8 is not None and not fp8.blocked and not fp8.delayed:
                 # Per-tensor current scaling against torchao's own fp8 training of the same model.
                 ao = torchao_step(clip, device)
                 if ao is None:
                     print(f"{recipe:<11}{clip_word(clip):>5}  torchao: not installed (pip install torchao)")
-                    continue
-                c_ao = count_calls(ao)
-                line = (f"{recipe:<11}{clip_word(clip):>5}{'torchao fp8':>18}{c_ours.total:>7}"
-                        f"{c_ours.python:>6}{c_ao.total:>10}{c_ao.python:>6}{c_ours.total / c_ao.total:>10.2f}")
-                if not args.no_time:
-                    r, ta, tb, fastest = interleaved_ratio(ours, ao, args.pairs, device)
-                    line += f"{r:>8.3f}{fastest:>9.3f}{ta * 1e6:>12.1f}{tb * 1e6:>9.1f}"
-                print(line, flush=True)
+                else:
+                    row("torchao fp8", ao)
     if args.profile:
         for recipe in args.recipes.split(","):
             print(f"\n{recipe}, no clip: calls per step by the innermost mixprec function making them")
