@@ -22,8 +22,10 @@ model (``convert_to_float8_training``: per-tensor dynamic scaling, the same form
 installed.
 
 On CUDA (``--device cuda``) the same tiny model is also timed captured: mixprec with a compiled model
-and ``mp.compile_step(mode="reduce-overhead")`` (one CUDA-graph replay for the step) against torch.amp's
-loop with ``torch.compile(model, mode="reduce-overhead")`` and a compiled fused AdamW step.
+and ``mp.compile_step(mode="reduce-overhead")`` (one CUDA-graph replay for the step; also the model
+or the step alone in CUDA graphs) against torch.amp's loop with ``torch.compile(model,
+mode="reduce-overhead")`` and a compiled fused AdamW step; fp8 also with its casts fused
+(fp8/fused.py's compiled kernels instead of the default eager ones). ``--captured`` runs these variants on a CPU too.
 
 Usage: python benchmarks/bench_host.py [--recipes bf16,fp16,...] [--clips none,1.0] [--pairs 200]
        [--no-time] [--profile] [--guarded] [--torchao] [--device cpu|cuda] [--threads 1]
@@ -38,6 +40,7 @@ import collections
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 
@@ -70,37 +73,57 @@ def baseline_dtype(recipe: str) -> torch.dtype:
 
 
 def mixprec_step(recipe: str, clip: float | None, device, compiled: bool = False,
-                 grads_to_none: bool | None = None) -> Callable[[], None]:
-    """One whole mixprec step on the tiny model; ``compiled``: compiled model + captured step.
-    ``grads_to_none``: ``zero_grad(set_to_none=...)`` (default: kept at fixed addresses when compiled)."""
+                 grads_to_none: bool | None = None, *, model_mode: str | None = None,
+                 step_mode: str | None = None, mark: bool = False,
+                 fused_casts: bool | None = None) -> Callable[[], None]:
+    """One whole mixprec step on the tiny model.
+
+    ``compiled``: compiled model + compiled step, both ``mode="reduce-overhead"`` on CUDA. Or each
+    apart: ``model_mode`` / ``step_mode`` (``"default"`` or ``"reduce-overhead"``; None: eager).
+    ``grads_to_none``: ``zero_grad(set_to_none=...)`` (default: True unless ``compiled``). ``mark``:
+    ``torch.compiler.cudagraph_mark_step_begin()`` before each step. ``fused_casts``: fp8's compiled
+    cast kernels on (True) or off (False) where the layers would use them (None: as built)."""
     model = tiny_model(device)
     x, y = batch(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")     # fp8 emulated on a CPU says so once; not what is measured
         mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
                                     recipe, clip_grad_norm=clip)
-    forward = model
+    if fused_casts is not None:
+        for m in model.modules():
+            if hasattr(m, "fused_casts"):
+                m.fused_casts = fused_casts
     if compiled:
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        mp.compile_step(mode=mode)
-        forward = torch.compile(model, mode=mode)
+        model_mode = step_mode = "reduce-overhead" if device.type == "cuda" else "default"
+    forward = model
+    if step_mode is not None:
+        mp.compile_step(**({} if step_mode == "default" else {"mode": step_mode}))
+    if model_mode is not None:
+        forward = torch.compile(model, **({} if model_mode == "default" else {"mode": model_mode}))
+    to_none = not compiled if grads_to_none is None else grads_to_none
+    mark_step = torch.compiler.cudagraph_mark_step_begin if mark else None
 
     def step() -> None:
+        if mark_step is not None:
+            mark_step()
         with mp.autocast():
             loss = F.cross_entropy(forward(x), y)
         mp.backward(loss)
         mp.step()
-        mp.zero_grad(set_to_none=not compiled if grads_to_none is None else grads_to_none)
+        mp.zero_grad(set_to_none=to_none)
     return step
 
 
 def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = False,
-             guarded: bool = False) -> Callable[[], None]:
+             guarded: bool = False, mark: bool = False) -> Callable[[], None]:
     """The hand-written torch.amp loop: autocast, (GradScaler for fp16), clip_grad_norm_, fused AdamW.
 
     ``guarded`` (bf16, no clip): the loop also skips a step whose gradients hold an inf or NaN, as
     mixprec's bf16 does and torch.amp's bf16 loop does not: ``get_total_norm`` of the gradients, then
-    ``optimizer.step()`` only where it is finite (a host read: free on a CPU, a sync on a GPU)."""
+    ``optimizer.step()`` only where it is finite (a host read: free on a CPU, a sync on a GPU).
+    ``compiled``: the model (and bf16's optimizer step) under ``torch.compile``, ``reduce-overhead`` on
+    CUDA, gradients set to None at each zero_grad (kept, they would be outputs of the model's CUDA
+    graph that its next replay overwrites); ``mark``: ``cudagraph_mark_step_begin()`` each step."""
     model = tiny_model(device)
     x, y = batch(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -114,7 +137,11 @@ def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = Fa
         if scaler is None:
             opt_step = torch.compile(opt.step, mode=mode)
 
+    mark_step = torch.compiler.cudagraph_mark_step_begin if mark else None
+
     def step() -> None:
+        if mark_step is not None:
+            mark_step()
         with torch.autocast(device.type, dtype=dtype):
             loss = F.cross_entropy(forward(x), y)
         if scaler is None:
@@ -131,7 +158,7 @@ def amp_step(dtype: torch.dtype, clip: float | None, device, compiled: bool = Fa
                 torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
             scaler.step(opt)
             scaler.update()
-        opt.zero_grad(set_to_none=not compiled)
+        opt.zero_grad(set_to_none=True)
     return step
 
 
@@ -258,30 +285,39 @@ def cuda_captured(args, device) -> None:
 
     The variants of a row run round-robin (one step each per round, synchronised around each), so a
     drift in clocks or load hits all alike; the ratio is each variant's median over torch.amp eager's."""
-    print(f"\n{'recipe':<10}{'clip':>6}{'variant':>22}{'us/step':>10}{'/ amp eager':>13}")
+    print(f"\n{'recipe':<10}{'clip':>6}{'variant':>24}{'us/step':>10}{'/ amp eager':>13}")
     for recipe in args.recipes.split(","):
         dtype = baseline_dtype(recipe)
         for clip in args.clip_values:
             torch._dynamo.reset()     # each row compiles afresh (Dynamo's recompile limit is per function)
             variants = {"torch.amp eager": amp_step(dtype, clip, device),
-                        "torch.amp compiled": amp_step(dtype, clip, device, compiled=True),
+                        "torch.amp compiled": amp_step(dtype, clip, device, compiled=True, mark=True),
                         "mixprec eager": mixprec_step(recipe, clip, device)}
-            try:
-                variants["mixprec captured"] = mixprec_step(recipe, clip, device, compiled=True)
-                # The 2026-11-27 H100 failure ("accessing tensor output of CUDAGraphs that has been
-                # overwritten") may be the gradients kept between steps as outputs of the model's
-                # backward graph: the same step with them set to None at each zero_grad.
-                variants["captured, grads None"] = mixprec_step(recipe, clip, device, compiled=True,
-                                                                grads_to_none=True)
-            except ValueError as e:       # a recipe that cannot capture its step says why
-                print(f"{recipe:<10}{clip_word(clip):>6}  mixprec captured: not run: {e}")
+            if mixprec.get_recipe(recipe).fp8 is not None:      # fp8's compiled casts against eager ones
+                variants["eager, casts fused"] = mixprec_step(recipe, clip, device, fused_casts=True)
+            # The 2026-11-27 H100 and 11-28 H200 runs failed with gradients kept between steps
+            # (zero_grad(set_to_none=False)): with the model in CUDA graphs they are outputs of its
+            # backward graph, which the next replay overwrites. Set to None here, each step marked.
+            ro = "reduce-overhead"
+            captured = {"mixprec captured": dict(model_mode=ro, step_mode=ro),
+                        "model ro, step default": dict(model_mode=ro, step_mode="default"),
+                        "model default, step ro": dict(model_mode="default", step_mode=ro,
+                                                       grads_to_none=False)}
+            for name, how in captured.items():
+                try:
+                    variants[name] = mixprec_step(recipe, clip, device, mark=True,
+                                                  **{"grads_to_none": True, **how})
+                except ValueError as e:       # a recipe that cannot compile its step says why
+                    print(f"{recipe:<10}{clip_word(clip):>6}  {name}: not run: {e}")
             times: dict[str, list[float]] = {name: [] for name in variants}
             for name, fn in list(variants.items()):
                 try:
                     for _ in range(10):    # warm-up: compiling, CUDA-graph recording, optimizer state
                         fn()
                 except Exception as e:     # report and go on with the other variants
-                    print(f"{recipe:<10}{clip_word(clip):>6}{name:>22}  failed: {type(e).__name__}: {e}")
+                    where = traceback.extract_tb(e.__traceback__)[-1]
+                    print(f"{recipe:<10}{clip_word(clip):>6}{name:>24}  failed: {type(e).__name__}: "
+                          f"{str(e)[:400]} (at {where.filename}:{where.lineno})")
                     del variants[name], times[name]
             for _ in range(args.pairs):
                 for name, fn in variants.items():
@@ -293,7 +329,7 @@ def cuda_captured(args, device) -> None:
             base = statistics.median(times["torch.amp eager"])
             for name, ts in times.items():
                 t = statistics.median(ts)
-                print(f"{recipe:<10}{clip_word(clip):>6}{name:>22}{t * 1e6:>10.1f}{t / base:>13.3f}")
+                print(f"{recipe:<10}{clip_word(clip):>6}{name:>24}{t * 1e6:>10.1f}{t / base:>13.3f}")
 
 
 def main() -> None:
@@ -311,6 +347,8 @@ def main() -> None:
     ap.add_argument("--torchao", action="store_true",
                     help="also fp8 (per-tensor current scaling) against torchao's fp8 training of the "
                          "same model, where torchao is installed")
+    ap.add_argument("--captured", action="store_true",
+                    help="the captured variants on a CPU too (compiled, no CUDA graphs): a dry run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -357,7 +395,7 @@ def main() -> None:
             print(f"\n{recipe}, no clip: calls per step by the innermost mixprec function making them")
             for n, fn in profile_calls(mixprec_step(recipe, None, device)):
                 print(f"  {n:>4}  {fn}")
-    if device.type == "cuda":
+    if device.type == "cuda" or args.captured:
         cuda_captured(args, device)
 
 

@@ -359,9 +359,12 @@ class MixedPrecision:
         """Run every later ``step()`` as one ``torch.compile`` graph; returns the engine.
 
         The norm, clip, overflow check, fused optimizer step and loss-scale update compile together
-        (``mixprec.step_compile``): no host sync, and with ``mode="reduce-overhead"`` one CUDA-graph
-        replay per step (then zero gradients with ``zero_grad(set_to_none=False)``). ``options`` go to
-        ``torch.compile``. Needs an optimizer built with ``fused=True`` (Adam, AdamW, SGD).
+        (``mixprec.step_compile``): no host sync, and with ``mode="reduce-overhead"`` CUDA-graph
+        replays. With the model compiled in that mode too, keep ``zero_grad()``'s default
+        (``set_to_none=True``) and call ``torch.compiler.cudagraph_mark_step_begin()`` before each
+        step's forward, as torch asks of any such loop: kept gradients would be outputs of the model's
+        CUDA graph that its next replay overwrites. ``options`` go to ``torch.compile``. Needs an
+        optimizer built with ``fused=True`` (Adam, AdamW, SGD).
         """
         from .step_compile import CompiledStep
         self._compiled_step = CompiledStep(self, options)

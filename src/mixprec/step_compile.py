@@ -25,8 +25,13 @@ step is three graphs, norm and divisor / the fused optimizer / the scale update,
 
 Those two tensors are *static buffers* owned here, written inside the graph and handed to the
 optimizer for the call: CUDA graphs need inputs at fixed addresses, and torch.compile cannot trace
-setting and deleting attributes on the optimizer. For CUDA graphs keep the gradients at fixed
-addresses too: ``mp.zero_grad(set_to_none=False)``.
+setting and deleting attributes on the optimizer. With the model eager (or compiled without CUDA
+graphs), ``mp.zero_grad(set_to_none=False)`` keeps the gradients at fixed addresses. With the model
+compiled with ``mode="reduce-overhead"`` too, its backward graph's outputs are the gradients: set them
+to None (``zero_grad()``'s default) and call ``torch.compiler.cudagraph_mark_step_begin()`` before each
+forward. Kept, they are outputs the next replay overwrites ("accessing tensor output of CUDAGraphs that
+has been overwritten by a subsequent run": the H100 and H200 runs of 2026-11-27 and 28); the H200 run
+of 11-28 trained that way for bf16 and fp8 (benchmarks/bench_host.py's captured variants).
 
     >>> import mixprec
     >>> model = torch.nn.Linear(4, 2)
