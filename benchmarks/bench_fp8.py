@@ -9,9 +9,10 @@ medians are compared; ratios above 1 mean the fp8 layer is faster than bf16.
     python benchmarks/bench_fp8.py --compile              # each layer under torch.compile as well
     python benchmarks/bench_fp8.py --cpu-smoke            # CPU, S = 256: checks the script, not speed
 
-mixprec's layers run with fused eager casts (fp8/fused.py, the CUDA default); the ", eager casts"
-rows are the same layers with ``fused_casts = False``. The kernels column counts GPU kernels per
-forward + backward (goal: <= 24 for the fused eager layer; the unfused one had 88).
+mixprec's layers run with eager casts (the default); the ", fused casts" rows are the same layers
+with ``fused_casts = True`` (fp8/fused.py's compiled casts: fewer kernels, but slower from 1024x1024
+up on an H200, benchmarks/bench_fp8_cast.py). The kernels column counts GPU kernels per forward +
+backward.
 
 fp8 speed needs fp8 tensor cores (compute capability 8.9+); on a CPU the script refuses unless
 ``--cpu-smoke`` asks for a small run that only shows it works.
@@ -62,13 +63,12 @@ def _variants(size: int, device: torch.device, compile_: bool) -> dict[str, nn.M
     variants: dict[str, nn.Module] = {"bf16 nn.Linear": base}
     backend = "scaled_mm" if probe_scaled_mm(device).ok else "emulate"
     for name, cfg in (("mixprec fp8 current", Fp8Config()), ("mixprec fp8 delayed", Fp8Config.parse("delayed"))):
-        fused = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
-        fused.fused_casts = backend == "scaled_mm"       # the CUDA default; on the CPU smoke too
-        variants[name] = fused
-        if not compile_:                                  # the eager casts before fp8/fused.py
-            unfused = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
-            unfused.fused_casts = False
-            variants[f"{name}, eager casts"] = unfused
+        layer = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
+        variants[name] = layer                             # eager casts: the default
+        if not compile_ and backend == "scaled_mm":       # fp8/fused.py's compiled casts, opted into
+            with_fused = Fp8Linear.from_linear(copy.deepcopy(base), cfg, backend)
+            with_fused.fused_casts = True
+            variants[f"{name}, fused casts"] = with_fused
     # Blocked scalings (issue 25): rowwise through _scaled_mm's row scales, block through the Hopper
     # 1x128/128x128 kernel; on a device without them the layer emulates (a notice says so).
     for name, cfg in (("mixprec fp8 rowwise", Fp8Config.parse("rowwise")),
