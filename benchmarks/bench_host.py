@@ -389,7 +389,11 @@ def main() -> None:
                 if ao is None:
                     print(f"{recipe:<11}{clip_word(clip):>5}  torchao: not installed (pip install torchao)")
                 else:
-                    row("torchao fp8", ao)
+                    try:
+                        row("torchao fp8", ao)
+                    except RuntimeError as e:     # on CUDA torchao's fp8 GEMMs need dims of 16s
+                        print(f"{recipe:<11}{clip_word(clip):>5}  torchao fp8 failed: "
+                              f"{(str(e).splitlines() or [''])[0][:200]}")
     if args.profile:
         for recipe in args.recipes.split(","):
             print(f"\n{recipe}, no clip: calls per step by the innermost mixprec function making them")
