@@ -32,6 +32,27 @@ def test_fused_loss_scale_update_walks_exactly_as_the_eager_one():
     assert int(fused.floor_skips) == 1 and int(fused.skipped) == 7
 
 
+def test_the_default_hysteresis_updates_through_torchs_op_on_every_device_as_the_general_update_would():
+    # hysteresis 1 on CUDA takes torch's _amp_update_scale_ (fewer host calls than the compiled
+    # general update): the general one, compiled, walks the same states bit for bit, but for the
+    # hysteresis budget it spends and refills, which a budget of one overflow never reads.
+    config = LossScaleConfig(init=2.0**3, growth_interval=2, floor=1.0, ceiling=2.0**4)
+    assert not DynamicLossScale(config, "cuda" if torch.cuda.is_available() else "cpu").fused
+    plain, general = DynamicLossScale(config), DynamicLossScale(config)
+    general.fused = True
+    values = []
+    for overflow in [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1]:
+        for ls in (plain, general):
+            ls.update(torch.tensor(bool(overflow)))
+        a, b = plain.state_dict(), general.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "hysteresis_left")
+        values.append(float(plain.value))
+    # By hand: 8 -> 16 (grow), held at the ceiling; each overflow halves down to the floor 1; two clean
+    # steps grow to 2; the next overflow halves to 1, and the one after is seen at the floor (counted).
+    assert values == [8.0, 16.0, 16.0, 16.0, 8.0, 4.0, 2.0, 1.0, 1.0, 2.0, 1.0, 1.0]
+    assert int(plain.floor_skips) == 1 and int(plain.skipped) == 6
+
+
 def test_a_function_that_cannot_compile_warns_once_and_runs_eagerly():
     fn = FusedFunction(lambda x: x * 3, "triple")
 
