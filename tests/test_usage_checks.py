@@ -298,3 +298,21 @@ def test_the_autocast_warning_names_a_torch_autocast_of_the_users_own():
                                              "its dtype and op lists, not the recipe's") as record:
             mp.backward(loss)
     assert "ran in fp32" not in str(record[0].message)
+
+
+
+def test_the_device_decided_skip_run_is_read_from_an_earlier_steps_copy_without_waiting():
+    # The CUDA path (the step decided on the device): after_step counts skips in a device tensor and
+    # reads the copy an earlier step left in pinned memory. Emulated with CPU tensors, where the copy
+    # lands at once: each read returns the count as of the step before.
+    from mixprec.recipe import get_recipe
+    from mixprec.usage_checks import UsageChecks
+    checks = UsageChecks(get_recipe("bf16"), False, torch.device("cpu"))
+    assert checks._read_run_if_free() is None            # a CPU engine: the host knows each outcome
+    checks._on_cuda = True                              # the CUDA branch, its pinned buffer a plain one
+    checks._host = torch.zeros((), dtype=torch.int64)
+    reads = []
+    for skipped in [1, 1, 0, 1, 1, 1]:
+        checks.skip_run.add_(1).mul_(torch.tensor(skipped))     # as after_step does on the device
+        reads.append(checks._read_run_if_free())
+    assert reads == [0, 1, 2, 0, 1, 2] and int(checks._host) == 3

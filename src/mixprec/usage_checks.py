@@ -193,8 +193,8 @@ class UsageChecks:
         self.stepped_grads: list[tuple[Any, int]] | None = None   # (weakref, version) after a step
         self.skip_run = torch.zeros((), dtype=torch.int64, device=device)   # consecutive skips
         self.skip_run_py = 0            # the same count where the step already knows it on the host
-        self._pending: tuple[torch.Tensor, Any] | None = None   # CUDA: copy in flight, its event
-        self._host: torch.Tensor | None = None                      # its pinned destination
+        self._on_cuda = self.skip_run.device.type == "cuda"
+        self._host: torch.Tensor | None = None      # CUDA: the pinned copy of skip_run, one step late
         self.traced = False             # the engine traces inf/NaN (trace_nonfinite=True)
         self.warned_skips = False
         self.in_engine_step = False     # mp.step() is calling the optimizer: the guard lets it through
@@ -349,20 +349,21 @@ class UsageChecks:
             self.warn_skips(run)
 
     def _read_run_if_free(self) -> int | None:
-        if not torch.cuda.is_available() or self.skip_run.device.type != "cuda":
+        """The consecutive-skip count as an earlier step's copy left it in pinned host memory, then a
+        new copy issued behind this step's kernels: no sync, three calls.
+
+        The value read is that of the last copy the GPU has finished (a step late, or more where the
+        GPU runs behind the host): an 8-byte aligned word, written whole. The warning it feeds fires
+        that much later, which loses nothing. (It was an event per copy, queried each step: 58 Python
+        calls a step on the H200, 2026-11-28, for torch.cuda's stream and event wrappers.)
+        """
+        if not self._on_cuda:
             return None
-        # A copy issued at an earlier step is read once its event reports done (query never blocks).
-        run = None
-        if self._pending is not None and self._pending[1].query():
-            run = int(self._pending[0])
-            self._pending = None
-        if self._pending is None:
-            if self._host is None:
-                self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
-            self._host.copy_(self.skip_run, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (self._host, event)
+        host = self._host
+        if host is None:
+            host = self._host = torch.zeros((), dtype=torch.int64, pin_memory=True)
+        run = int(host)
+        host.copy_(self.skip_run, non_blocking=True)
         return run
 
     def warn_skips(self, run: int) -> None:
