@@ -28,7 +28,8 @@ mode="reduce-overhead")`` and a compiled fused AdamW step; fp8 also with its cas
 (fp8/fused.py's compiled kernels instead of the default eager ones). ``--captured`` runs these variants on a CPU too.
 
 Usage: python benchmarks/bench_host.py [--recipes bf16,fp16,...] [--clips none,1.0] [--pairs 200]
-       [--no-time] [--profile] [--guarded] [--torchao] [--device cpu|cuda] [--threads 1]
+       [--no-time] [--profile] [--trace] [--guarded] [--torchao] [--captured] [--device cpu|cuda]
+       [--threads 1]
 On a GPU (a few minutes, mostly compiling):
        python benchmarks/bench_host.py --device cuda --recipes bf16,fp16,bf16-pure --clips none --pairs 200
 """
@@ -249,6 +250,21 @@ def profile_calls(step: Callable[[], None], top: int = 14, warmup: int = 3) -> l
     return [(n, where) for where, n in counts.most_common(top)]
 
 
+def op_table(step: Callable[[], None], device, rows: int = 20) -> str:
+    """torch.profiler's table of five steps after five: each op's self CPU time (host work, launches
+    included) and, on CUDA, its device time."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(5):
+        step()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            step()
+        _sync(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def interleaved_ratio(a: Callable[[], None], b: Callable[[], None], pairs: int, device,
                       warmup: int = 10) -> tuple[float, float, float, float]:
     """(median ratio a/b over per-pair times, median a seconds, median b seconds, fastest a / fastest b);
@@ -347,6 +363,9 @@ def main() -> None:
     ap.add_argument("--torchao", action="store_true",
                     help="also fp8 (per-tensor current scaling) against torchao's fp8 training of the "
                          "same model, where torchao is installed")
+    ap.add_argument("--trace", action="store_true",
+                    help="also a torch.profiler table per recipe (no clip): host time by op, where the "
+                         "step's time goes when it is not its Python calls")
     ap.add_argument("--captured", action="store_true",
                     help="the captured variants on a CPU too (compiled, no CUDA graphs): a dry run")
     args = ap.parse_args()
@@ -399,6 +418,10 @@ def main() -> None:
             print(f"\n{recipe}, no clip: calls per step by the innermost mixprec function making them")
             for n, fn in profile_calls(mixprec_step(recipe, None, device)):
                 print(f"  {n:>4}  {fn}")
+    if args.trace:
+        for recipe in args.recipes.split(","):
+            print(f"\n{recipe}, no clip: torch.profiler, 5 steps after 5, by self CPU time")
+            print(op_table(mixprec_step(recipe, None, device), device))
     if device.type == "cuda" or args.captured:
         cuda_captured(args, device)
 
