@@ -327,3 +327,34 @@ def test_scale_loss_for_a_trainers_own_backward_equals_mp_backward(in_backward):
     assert not by_trainer.step().skipped and not by_engine.step().skipped
     for a, b in zip(by_engine.model.parameters(), by_trainer.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_autocast_is_one_context_reused_across_steps_and_nests_and_restores_exactly():
+    # autocast() hands out one torch.autocast for every step (building one is the costly part);
+    # entered already (nested, or inside the user's own autocast off), it builds another, and every
+    # exit restores the state as it was, dtype and nesting included.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    mp = MixedPrecision(lin, torch.optim.SGD(lin.parameters(), lr=0.1), "bf16")
+    x = torch.randn(4, 8)
+    before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    first = mp.autocast()
+    assert mp.autocast() is first                   # not entered: the same one
+    with first:
+        assert lin(x).dtype == torch.bfloat16
+        inner = mp.autocast()
+        assert inner is not first                   # entered: a fresh one
+        with torch.autocast("cpu", enabled=False):
+            assert lin(x).dtype == torch.float32
+            again = mp.autocast()
+            assert again is not first               # inside the user's autocast off: still a fresh one
+            with again:
+                assert lin(x).dtype == torch.bfloat16
+            assert lin(x).dtype == torch.float32
+        with inner:
+            assert lin(x).dtype == torch.bfloat16
+        assert torch.is_autocast_enabled("cpu")
+    assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before
+    with mp.autocast():                             # exited: reused again
+        assert lin(x).dtype == torch.bfloat16
+    assert mp.autocast() is first and not torch.is_autocast_enabled("cpu")
