@@ -203,7 +203,7 @@ class MixedPrecision:
         sets_tf32 = self.recipe.compute in (Precision.FP32, Precision.TF32)
         self._backward_alone = self._nonfinite is None and not sets_tf32
         self._autocast_alone = self._backward_alone and self._op_mode is None and not self._packs_saved
-        # One torch.autocast for every step (_reused_autocast); building it is most of autocast()'s host
+        # One torch.autocast for every step (_ReusedAutocast); building it is most of autocast()'s host
         # work on CUDA (torch checks the device's bf16 support each time: 39 of 48 calls, H200).
         self._autocast_ctx = (_ReusedAutocast(self.device.type, dtype=self._compute_dtype)
                               if self._autocast_alone and self._autocast_on else None)
@@ -244,8 +244,9 @@ class MixedPrecision:
         self._checks.entered_autocast = True
         if self._autocast_alone:
             ctx = self._autocast_ctx
-            # Reused unless it is entered now (a nested mp.autocast(), another thread's step: those
-            # build their own) or torch.compile traces this call (Dynamo builds the context it enters).
+            # Reused unless it is entered now (a nested mp.autocast() builds its own, as does another
+            # thread's step that finds it in use) or torch.compile traces this call (Dynamo builds
+            # the context it enters).
             if ctx is not None and not ctx.entered and not torch.compiler.is_compiling():
                 return ctx
             return torch.autocast(self.device.type, dtype=self._compute_dtype, enabled=self._autocast_on)
