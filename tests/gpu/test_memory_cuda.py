@@ -121,9 +121,18 @@ def test_chunked_cross_entropy_gradient_equals_autocasts_and_its_peak_is_chunk_s
     (want,) = torch.autograd.grad(ref, x)
     got = mixprec.cross_entropy(x, t)
     (have,) = torch.autograd.grad(got, x)
-    diff = (have.float() - want.float()).abs()
-    assert torch.equal(have, want), (f"gradients differ at {int((diff > 0).sum())} of {diff.numel()} "
-                                     f"elements, at most {float(diff.max()):.3g}")
+    if not torch.equal(have, want):
+        # Bitwise on the H100 of 2026-11-22; on the H200's torch 2.11 (2026-11-28) 95.5M of 103M
+        # elements differed, by up to 1.9e-6 (several bf16 ulps on tiny probabilities), as if one side
+        # took the log-sum-exp in less than fp32. Then ours must be the closer to the exact gradient.
+        xd = x.detach().double().requires_grad_()
+        (exact,) = torch.autograd.grad(F.cross_entropy(xd, t), xd)
+        ours, theirs = (have.double() - exact).abs(), (want.double() - exact).abs()
+        diff = (have != want).sum()
+        assert ours.mean() <= theirs.mean() and ours.max() <= theirs.max(), (
+            f"gradients differ at {int(diff)} of {have.numel()} elements; error against fp64: ours mean "
+            f"{float(ours.mean()):.3g} max {float(ours.max()):.3g}, autocast's mean {float(theirs.mean()):.3g} "
+            f"max {float(theirs.max()):.3g}")
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
 
     def backward_peak(loss_fn):
