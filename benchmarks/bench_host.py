@@ -81,7 +81,8 @@ def mixprec_step(recipe: str, clip: float | None, device, compiled: bool = False
 
     ``compiled``: compiled model + compiled step, both ``mode="reduce-overhead"`` on CUDA. Or each
     apart: ``model_mode`` / ``step_mode`` (``"default"`` or ``"reduce-overhead"``; None: eager).
-    ``grads_to_none``: ``zero_grad(set_to_none=...)`` (default: True unless ``compiled``). ``mark``:
+    ``grads_to_none``: ``zero_grad(set_to_none=...)`` (default True: with the model in CUDA graphs,
+    kept gradients are outputs of its graph that the next replay overwrites). ``mark``:
     ``torch.compiler.cudagraph_mark_step_begin()`` before each step. ``fused_casts``: fp8's compiled
     cast kernels on (True) or off (False) where the layers would use them (None: as built)."""
     model = tiny_model(device)
@@ -101,7 +102,7 @@ def mixprec_step(recipe: str, clip: float | None, device, compiled: bool = False
         mp.compile_step(**({} if step_mode == "default" else {"mode": step_mode}))
     if model_mode is not None:
         forward = torch.compile(model, **({} if model_mode == "default" else {"mode": model_mode}))
-    to_none = not compiled if grads_to_none is None else grads_to_none
+    to_none = True if grads_to_none is None else grads_to_none
     mark_step = torch.compiler.cudagraph_mark_step_begin if mark else None
 
     def step() -> None:
