@@ -143,6 +143,33 @@ def test_a_small_models_kept_transients_step_bitwise_as_fresh_ones(recipe, opt_n
     assert_same_state(master_state(kept), master_state(fresh))
 
 
+@pytest.mark.parametrize("recipe", ["bf16-sr", "bf16-kahan"])
+def test_kept_bit_views_and_noise_xors_round_as_fresh_ones_past_the_tables_rehash(recipe, monkeypatch):
+    # The kept layout also keeps its weight half's bit views and, for bf16-sr, the noise's xors into
+    # its scratch, which read the two tables the noise writes its row into at every eager step. 70
+    # steps cross the rehash of the batch of tables (every 64 advances) and a skip at step 40 (the
+    # same row again): the weights and state equal the run that lays everything out afresh.
+    def run():
+        model = tiny_model()
+        mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), recipe, seed=5)
+        for step, (x, y) in enumerate(batches(70, seed=4)):
+            with mp.autocast():
+                loss = F.cross_entropy(model(x), y)
+            mp.backward(loss)
+            if step == 40:
+                model[0].weight.grad.view(-1)[3] = math.nan
+            assert mp.step().skipped == (step == 40)
+            mp.zero_grad()
+        return mp
+
+    kept = run()
+    assert kept.master._layout is not None and (recipe != "bf16-sr" or kept.master._noise_plan is not None)
+    monkeypatch.setattr(master_module, "_SMALL_KEPT", 0)
+    fresh = run()
+    assert fresh.master._layout is None
+    assert_same_state(master_state(kept), master_state(fresh))
+
+
 def test_kept_gradient_bytes_fit_4_mib():
     assert master_module.kept_gradient_bytes(2**20, keep=True) == 4 * 2**20       # 4 MiB: kept
     assert master_module.kept_gradient_bytes(2**20 + 1, keep=True) == 0

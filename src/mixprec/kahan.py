@@ -52,48 +52,59 @@ canonical 0x7FC00000 first (low half zero), as ``stochastic_round_bf16_`` does.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from .bit_views import Fp32Bits
+
 __all__ = ["KahanCompensation", "split_", "add_compensation_"]
 
-_HIGH_HALF = 1 if sys.byteorder == "little" else 0    # which 16-bit half of an fp32 is its top
-_LOW_HALF = 1 - _HIGH_HALF
 _BF16_INF = 0x7F80                                    # the magnitude bits of a bf16 inf
 
 
-def split_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[int]]) -> torch.Tensor:
+def _stretches(low: torch.Tensor, comp: torch.Tensor, runs: list[list[int]],
+               n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(low halves, compensations)`` per run; the tensors themselves where one run covers both."""
+    if len(runs) == 1 and runs[0] == [0, 0, n] and comp.shape[0] == n:
+        return [(low, comp)]
+    return [(low[offset:offset + length], comp[start:start + length]) for offset, start, length in runs]
+
+
+def split_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[int]],
+           views: Fp32Bits | None = None) -> torch.Tensor:
     """Split 1-D fp32 ``flat`` in place into bf16 weights (returned: a strided view of its high halves)
     and compensations, written into int16 ``comp``.
 
     ``runs``: ``[offset in flat, start in comp, length]`` stretches (``comp`` is laid out by the
-    step's order, ``flat`` by the chunk's). ``flat`` is meaningless as fp32 afterwards.
+    step's order, ``flat`` by the chunk's). ``flat`` is meaningless as fp32 afterwards. ``views``:
+    ``flat``'s bit views, kept by a caller that splits the same buffer at every step.
     """
+    views = views if views is not None else Fp32Bits(flat)
     torch.nan_to_num_(flat, nan=math.nan, posinf=math.inf, neginf=-math.inf)   # identity but for NaN
-    flat.view(torch.int32).add_(0x8000)           # carries into the high half iff the low one >= 0x8000
-    low = flat.view(torch.int16)[_LOW_HALF::2]    # c + 0x8000, as unsigned 16 bits
-    for offset, start, length in runs:
-        # -32768 is 0x8000 as int16: the xor subtracts 32768 modulo 2**16, giving c's two's complement.
-        torch.bitwise_xor(low[offset:offset + length], -32768, out=comp[start:start + length])
-    return flat.view(torch.bfloat16)[_HIGH_HALF::2]
+    views.bits.add_(0x8000)           # carries into the high half iff the low one >= 0x8000
+    # The low halves now hold c + 0x8000, as unsigned 16 bits. -32768 is 0x8000 as int16: the xor
+    # subtracts 32768 modulo 2**16, giving c's two's complement.
+    for low, c in _stretches(views.low, comp, runs, views.n):
+        torch.bitwise_xor(low, -32768, out=c)
+    return views.high
 
 
-def add_compensation_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[int]]) -> None:
+def add_compensation_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[int]],
+                      views: Fp32Bits | None = None) -> None:
     """Turn 1-D fp32 ``flat``, whose high halves hold bf16 weights, into the exact fp32 values;
-    ``runs`` (as for ``split_``) must cover all of ``flat``.
+    ``runs`` (as for ``split_``) must cover all of ``flat``; ``views`` as for ``split_``.
 
     ``split_`` backwards: ``c + 0x8000`` into each low half, then subtract 0x8000 from the pattern
     (a borrow from the high half where ``c`` is negative). Not ``bits.add_(comp)``: int32 plus int16
     makes an int32 copy of ``comp`` first, 4 B per weight of transient memory, for no speed (3.3M
     weights, one CPU thread: 5.1 ms that way, 5.4 ms this way).
     """
-    low = flat.view(torch.int16)[_LOW_HALF::2]
-    for offset, start, length in runs:
-        torch.bitwise_xor(comp[start:start + length], -32768, out=low[offset:offset + length])
-    bits = flat.view(torch.int32)
+    views = views if views is not None else Fp32Bits(flat)
+    for low, c in _stretches(views.low, comp, runs, views.n):
+        torch.bitwise_xor(c, -32768, out=low)
+    bits = views.bits
     # A zero weight (magnitude bits 0) with c < 0 (low half now below 0x8000): the sub would borrow
     # through the sign into a NaN. No split makes that pair; the join makes it +0.0.
     impossible = bits.bitwise_and(0x7FFF8000).logical_not()     # not `== 0`: no Python number to wrap
@@ -125,15 +136,16 @@ class KahanCompensation:
         """Bytes held between steps: 2 per weight."""
         return self.comp.numel() * self.comp.element_size()
 
-    def join_(self, flat: torch.Tensor, which: list[int], runs: list[list[int]]) -> None:
+    def join_(self, flat: torch.Tensor, which: list[int], runs: list[list[int]],
+              views: Fp32Bits | None = None) -> None:
         """``flat`` holds the bf16 weights of positions ``which`` as fp32 (an exact cast): add the
         compensations, so it holds the fp32 values the last step left. No sync."""
-        add_compensation_(flat, self.comp, runs)
+        add_compensation_(flat, self.comp, runs, views)
 
-    def split_(self, flat: torch.Tensor, runs: list[list[int]]) -> torch.Tensor:
+    def split_(self, flat: torch.Tensor, runs: list[list[int]], views: Fp32Bits | None = None) -> torch.Tensor:
         """The optimizer's fp32 result in ``flat`` -> compensations kept; returns the bf16 weights
         (a strided view into ``flat``) for the caller to copy into the model."""
-        return split_(flat, self.comp, runs)
+        return split_(flat, self.comp, runs, views)
 
     def reset_(self, i: int) -> None:
         """Zero parameter ``i``'s compensations: its fp32 value is its bf16 weight (a weight the user

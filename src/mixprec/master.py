@@ -43,8 +43,10 @@ by itself, so on CUDA large chunks keep nothing.
 A small model, whose step's fp32 transients fit ``_SMALL_KEPT`` (4 MiB) in one chunk, keeps them and
 their views between steps, on every device: with ``keep=True`` the gradient workspace (4 B/param; while
 every gradient is dense and contiguous, ``_kept_views``), with ``keep=False`` the [weights | gradients]
-buffer (8 B/param, ``_transient_layout``). Laying them out again cost a third of such a step's host
-work (15-30 aten ops for 6 tensors), which is all a small model's GPU step waits for. They are held
+buffer (8 B/param, ``_transient_layout``), with its bit views (``bit_views.Fp32Bits``) and bf16-sr's
+noise xors into its scratch. Laying them out again cost a third of such a step's host work (15-30
+aten ops for 6 tensors; the bit views and xors 15 more for bf16-sr, 12 for bf16-kahan), which is all a
+small model's GPU step waits for. They are held
 through the forward and backward too; ``memory_report`` counts them (``kept_gradient_bytes``) and
 ``workspace_bytes`` says them. Other models keep nothing between steps.
 
@@ -66,14 +68,15 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from .bit_views import Fp32Bits
 from .kahan import KahanCompensation
 from .recipe import Rounding
-from .stochastic_rounding import RoundingNoise, stochastic_round_bf16_
+from .stochastic_rounding import RoundingNoise, run_fill_plan, stochastic_round_bf16_
 
 __all__ = ["MasterWeights", "DEFAULT_CHUNK_BYTES", "kept_gradient_bytes"]
 
@@ -93,6 +96,17 @@ def kept_gradient_bytes(elements: int, keep: bool) -> int:
     (``_kept_views``), or fp32 weights and gradients without one (``_transient_layout``); else none."""
     size = (4 if keep else 8) * elements
     return size if size <= _SMALL_KEPT else 0
+
+
+class _Layout(NamedTuple):
+    """keep=False, a small model: the step's fp32 transients, laid out once (``_transient_layout``)."""
+
+    buffer: torch.Tensor               # [weights | gradients], fp32, in the optimizer's order
+    weights_flat: torch.Tensor         # the weight half
+    weights: list[torch.Tensor]        # views of it shaped like the weights
+    grad_slots: list[torch.Tensor]     # views of the gradient half shaped like the weights
+    scratch: torch.Tensor              # the gradient half as int32: the rounding's noise after the step
+    bits: Fp32Bits                     # the weight half's bit views (the rounding and Kahan's split)
 
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -161,9 +175,11 @@ class MasterWeights:
         # A small one-chunk step's fp32 gradient views into the kept workspace: (key, views), laid out once.
         self._small_views: tuple[list, list[torch.Tensor]] | None = None
         # keep=False, a small model's one-chunk step: the [weights | gradients] buffer and its views,
-        # laid out once (_transient_layout); and the views of its rounded bf16 half (pointer, views).
-        self._layout: tuple | None = None
-        self._rounded_views: tuple[int, list[torch.Tensor]] | None = None
+        # laid out once (_transient_layout); the views of its rounded bf16 half shaped like the
+        # weights, and bf16-sr's noise xors into its scratch (the tables they read, the xors).
+        self._layout: _Layout | None = None
+        self._rounded_views: list[torch.Tensor] | None = None
+        self._noise_plan: tuple[Any, list] | None = None
         self._step_plan: list | None = None              # begin_step's chunks (None: one chunk)
         self._planned = False                            # begin_step planned this step
         self._grad_sources: tuple[list, list] | None = None   # grads(): (groups' key, tensors to read)
@@ -317,7 +333,7 @@ class MasterWeights:
             # All copies, transient: a small model's kept buffer (the same addresses at every step,
             # which a CUDA graph of the compiled step replays on).
             layout = None if self.keep or chunked else self._transient_layout()
-            buffer = None if layout is None else layout[0]
+            buffer = None if layout is None else layout.buffer
         self._pull(self._order if which is None else list(which), chunked, buffer)
 
     @_without_grad
@@ -332,8 +348,11 @@ class MasterWeights:
             # [weights | gradients], each in the chunk's order. The gradient half has a slot for every
             # copy (a gradient-less one leaves its slot unused): it is the rounding's scratch later.
             layout = self._layout
-            if layout is not None and buffer is layout[0] and which is self._order:
-                _, weights_flat, weights, slot_views, _ = layout     # laid out once (_transient_layout)
+            views = None
+            if layout is not None and buffer is layout.buffer and which is self._order:
+                # Laid out once (_transient_layout).
+                weights_flat, weights, slot_views, views = (layout.weights_flat, layout.weights,
+                                                            layout.grad_slots, layout.bits)
             else:
                 n = sum([self._numel[i] for i in which])
                 flat = buffer[:2 * n] if buffer is not None else torch.empty(2 * n, dtype=torch.float32,
@@ -342,7 +361,7 @@ class MasterWeights:
                 slot_views = _views(flat[n:], params)
             torch._foreach_copy_(weights, params)    # bf16 -> fp32: exact
             if self.kahan is not None:               # + the compensations: the fp32 values, exactly
-                self.kahan.join_(weights_flat, which, self._runs(which))
+                self.kahan.join_(weights_flat, which, self._runs(which), views)
             for m, w in zip(masters, weights):
                 m.data = w
             if len(dense) == len(params):
@@ -392,7 +411,7 @@ class MasterWeights:
     def workspace_bytes(self) -> int:
         """Bytes of fp32 transients kept between steps: the gradient workspace (a small model's with a
         master copy, or the CPU's large chunks) or a small model's [weights | gradients] buffer without."""
-        kept = [self._workspace, None if self._layout is None else self._layout[0]]
+        kept = [self._workspace, None if self._layout is None else self._layout.buffer]
         return sum([t.untyped_storage().nbytes() for t in kept if t is not None])
 
     def _kept_views(self, which: list[int], params: list[nn.Parameter],
@@ -451,7 +470,7 @@ class MasterWeights:
         buffer = None
         layout = self._transient_layout() if not self.keep and plan is None else None
         if layout is not None:      # a small model: the buffer and its views kept from the last step
-            buffer = layout[0]
+            buffer = layout.buffer
         elif not self.keep:   # one [weights | gradients] buffer for every chunk: the largest one's size
             largest = max([sum([self._numel[i] for i in which]) for which in chunks], default=0)
             buffer = torch.empty(2 * largest, dtype=torch.float32, device=self.device)
@@ -488,8 +507,8 @@ class MasterWeights:
             self.masters[i].grad = None
         scratch = None
         layout = self._layout
-        if layout is not None and buffer is layout[0] and which is self._order:
-            scratch = layout[4]
+        if layout is not None and buffer is layout.buffer and which is self._order:
+            scratch = layout.scratch
         elif buffer is not None:
             n = sum([self._numel[i] for i in which])
             scratch = buffer[n:2 * n].view(torch.int32)
@@ -543,22 +562,37 @@ class MasterWeights:
         targets = [self.model_params[i].data for i in which]
         if self.generator is None and self.kahan is None:
             torch._foreach_copy_(targets, [self.masters[i] for i in which])   # round to nearest even
-        elif self.kahan is not None:     # nearest (ties away), the rest kept as compensations
-            rounded = self.kahan.split_(self._pulled_weights(which), self._runs(which))
-            torch._foreach_copy_(targets, self._rounded_as(rounded, targets, which))
         else:
             flat = self._pulled_weights(which)
-            for offset, start, length in self._runs(which):
-                self.generator.fill_(scratch[offset:offset + length], start, tables)
-            rounded = stochastic_round_bf16_(flat, scratch)       # bf16, strided: the high halves
-            torch._foreach_copy_(targets, self._rounded_as(rounded, targets, which))
+            layout = self._layout
+            # A small model's kept buffer, all of it: its bit views, the noise's xors and the rounded
+            # weights' views are made once, not at every step.
+            kept = layout is not None and flat is layout.weights_flat and which is self._order
+            if self.kahan is not None:     # nearest (ties away), the rest kept as compensations
+                rounded = self.kahan.split_(flat, self._runs(which), layout.bits if kept else None)
+            else:
+                kept = kept and scratch is layout.scratch
+                run_fill_plan(self._noise_xors(which, tables, scratch, kept))
+                rounded = stochastic_round_bf16_(flat, scratch, layout.bits if kept else None)
+            torch._foreach_copy_(targets, self._rounded_as(rounded, targets, kept))   # bf16 high halves
         if not self.keep:
             self._release(which)
 
-    def _transient_layout(self) -> tuple | None:
+    def _noise_xors(self, which: list[int], tables, scratch: torch.Tensor, kept: bool) -> list:
+        """bf16-sr's noise for copies ``which`` into ``scratch`` as xors (``RoundingNoise.fill_plan``);
+        for the kept layout (``kept``) laid out once per ``tables`` (eager steps: always the same)."""
+        plan = self._noise_plan
+        if kept and plan is not None and plan[0] is tables:
+            return plan[1]
+        xors = [x for offset, start, length in self._runs(which)
+                for x in self.generator.fill_plan(scratch[offset:offset + length], start, tables)]
+        if kept:
+            self._noise_plan = (tables, xors)
+        return xors
+
+    def _transient_layout(self) -> _Layout | None:
         """keep=False, a small model (fp32 weights and gradients of at most ``_SMALL_KEPT`` bytes):
-        ``(buffer, its weight half, views of it shaped like the weights, views of the gradient half,
-        the gradient half as int32 scratch)``, made at the first step and kept; None for other models.
+        the ``_Layout``, made at the first step and kept; None for other models.
 
         Laying these out afresh cost about 30 aten ops per step for 6 tensors (a slice and a view per
         tensor per half), more than the rounding itself on a small model; keeping them costs at most
@@ -569,22 +603,20 @@ class MasterWeights:
                 return None
             params = [self.model_params[i] for i in self._order]
             buffer = torch.empty(2 * n, dtype=torch.float32, device=self.device)
-            self._layout = (buffer, buffer[:n], _views(buffer[:n], params), _views(buffer[n:], params),
-                            buffer[n:].view(torch.int32))
+            weights = buffer[:n]
+            self._layout = _Layout(buffer, weights, _views(weights, params), _views(buffer[n:], params),
+                                   buffer[n:].view(torch.int32), Fp32Bits(weights))
         return self._layout
 
-    def _rounded_as(self, rounded: torch.Tensor, targets: list[torch.Tensor],
-                    which: list[int]) -> list[torch.Tensor]:
+    def _rounded_as(self, rounded: torch.Tensor, targets: list[torch.Tensor], kept: bool) -> list[torch.Tensor]:
         """``rounded`` (a strided bf16 view) as tensors shaped like ``targets``: made once for the kept
-        layout's buffer (the same view of the same memory at every step), afresh otherwise."""
-        if which is not self._order or self._layout is None:
+        layout (``kept``: ``rounded`` is its weight half's high halves, the same view at every step),
+        afresh otherwise."""
+        if not kept:
             return _views(rounded, targets)
-        if rounded.untyped_storage().data_ptr() != self._layout[0].untyped_storage().data_ptr():
-            return _views(rounded, targets)     # a fresh buffer (copies filled whole): not kept
-        key = rounded.data_ptr()
-        if self._rounded_views is None or self._rounded_views[0] != key:
-            self._rounded_views = (key, _views(rounded, targets))
-        return self._rounded_views[1]
+        if self._rounded_views is None:
+            self._rounded_views = _views(rounded, targets)
+        return self._rounded_views
 
     def _pulled_weights(self, which: list[int]) -> torch.Tensor:
         """The flat fp32 buffer whose views ``which``'s transient copies are (``_pull`` laid it out)."""

@@ -17,17 +17,17 @@ ulp survives on average (the ``bf16-sr`` recipe and compact Adam moments).
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import torch
 
-__all__ = ["RoundingNoise", "stochastic_round_bf16", "stochastic_round_bf16_"]
+from .bit_views import Fp32Bits
+
+__all__ = ["RoundingNoise", "run_fill_plan", "stochastic_round_bf16", "stochastic_round_bf16_"]
 
 _MASK32 = 0xFFFFFFFF
 _AHEAD_STEPS = 64             # steps of rounding-noise tables hashed in one batch (RoundingNoise.tables)
 _AHEAD_ENTRIES = 1 << 18      # at most this many int32 entries in that batch (1 MiB)
-_HIGH_HALF = 1 if sys.byteorder == "little" else 0    # which bf16-sized half of an fp32 is its top
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -50,7 +50,7 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.
     return torch.where(torch.isnan(x), x, rounded).to(torch.bfloat16)
 
 
-def stochastic_round_bf16_(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def stochastic_round_bf16_(x: torch.Tensor, noise: torch.Tensor, views: Fp32Bits | None = None) -> torch.Tensor:
     """Round 1-D fp32 ``x`` to bf16 up or down without bias, in place; returns the bf16 result as a
     view into ``x`` (each element's high half), and leaves ``x`` itself meaningless as fp32.
 
@@ -65,12 +65,20 @@ def stochastic_round_bf16_(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor
     largest pattern is 0x7FC00000 + 0xFFFF). +-inf have zero low bits and stay. A finite value above
     bf16's largest (0x7F7F0000) rounds to it or, carrying into the exponent, to inf: the next pattern
     up, as ``stochastic_round_bf16`` does.
+
+    ``views``: ``x``'s bit views, kept by a caller that rounds the same buffer at every step.
     """
+    views = views if views is not None else Fp32Bits(x)
     torch.nan_to_num_(x, nan=math.nan, posinf=math.inf, neginf=-math.inf)   # identity but for NaN
-    x.view(torch.int32).add_(noise)
-    # An fp32 is two bf16-sized halves; the high one (the sign, exponent and top 7 mantissa bits) is
-    # the later in memory on a little-endian machine (x86, ARM, GPUs), the first on a big-endian one.
-    return x.view(torch.bfloat16)[_HIGH_HALF::2]
+    views.bits.add_(noise)
+    # An fp32 is two bf16-sized halves; the high one holds the sign, exponent and top 7 mantissa bits.
+    return views.high
+
+
+def run_fill_plan(plan: list[tuple[torch.Tensor, ...]]) -> None:
+    """Write the noise ``RoundingNoise.fill_plan`` laid out: one xor per stretch, into its view."""
+    for a, b, out in plan:
+        torch.bitwise_xor(a, b, out=out)
 
 
 def _mix32(x: Any) -> Any:
@@ -131,13 +139,19 @@ class RoundingNoise:
         self.width = 1 << max(0, math.isqrt(max(numel - 1, 0)).bit_length())
         self.rows = -(-numel // self.width)
         self.rounds = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._rounds1 = self.rounds.view(1)      # the same count as a (1,) view: no view op a step
         # Tables for the next ``_ahead`` steps, hashed in one batch (``tables``): 2 small ops a step
         # instead of ~25. At most _AHEAD_ENTRIES int32 held; a model too large for two steps' worth
         # hashes each step's tables alone, as its compute dwarfs the launches anyway.
         self._ahead = min(_AHEAD_STEPS, _AHEAD_ENTRIES // (self.width + self.rows))
         self._batch: torch.Tensor | None = None     # (_ahead, width + rows) int32: rows for origin + j
-        self._origin: torch.Tensor | None = None    # rounds when the batch was hashed (device)
+        self._origin: torch.Tensor | None = None    # (1,) rounds when the batch was hashed (device)
         self._advances = 0                          # advance() calls since then: rounds - origin <= this
+        # Eager steps: this step's row of the batch is written here (index_select's out=), so T and U
+        # are the same two views at every step and a caller may keep views of them (``fill_plan``).
+        self._row: torch.Tensor | None = None
+        self._row_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._offset: torch.Tensor | None = None    # (1,) int64: rounds - origin, the row to pick
         self._seed(seed % 2**64)        # any int: Python's modulo maps negatives into [0, 2**64)
 
     def _seed(self, seed64: int) -> None:
@@ -157,7 +171,8 @@ class RoundingNoise:
         Eager, the tables of the next steps are hashed together once (``_ahead`` of them: a row per
         step count from the current one on) and each step picks its row by ``rounds`` on the device,
         so a skipped step, which leaves ``rounds`` where it was, picks the same row again. Row ``j``
-        is bit for bit the tables hashed alone at ``origin + j``. The batch is hashed afresh once
+        is bit for bit the tables hashed alone at ``origin + j``; it is written into the same two
+        tensors at every eager step (valid until the next call). The batch is hashed afresh once
         ``advance`` has been called ``_ahead`` times since (``rounds - origin`` can only have
         reached that then) or the state was set. Traced (``torch.compile``): hashed alone, in the
         graph, and the batch is dropped (the graph moves ``rounds`` where this object cannot count).
@@ -168,9 +183,15 @@ class RoundingNoise:
         if self._batch is None or self._advances >= self._ahead:
             steps = self.rounds + torch.arange(self._ahead, dtype=torch.int64, device=self.device)
             self._batch = self._hashed(steps[:, None])                        # (ahead, width + rows)
-            self._origin, self._advances = self.rounds.clone(), 0
-        row = self._batch.index_select(0, (self.rounds - self._origin).view(1)).view(-1)
-        return row[:self.width], row[self.width:]
+            self._origin, self._advances = self._rounds1.clone(), 0
+            if self._row is None:      # the same shape for the whole run: made once
+                self._row = torch.empty((1, self.width + self.rows), dtype=torch.int32, device=self.device)
+                self._row_tables = (self._row[0, :self.width], self._row[0, self.width:])
+                self._offset = torch.empty(1, dtype=torch.int64, device=self.device)
+        # Two ops a step: which row (rounds - origin, on the device), and that row into the kept one.
+        torch.sub(self._rounds1, self._origin, out=self._offset)
+        torch.index_select(self._batch, 0, self._offset, out=self._row)
+        return self._row_tables
 
     def _hashed(self, rounds: torch.Tensor) -> torch.Tensor:
         """The entries of T then U for step count(s) ``rounds`` (int64, broadcast against the entries)."""
@@ -187,19 +208,28 @@ class RoundingNoise:
 
     def fill_(self, out: torch.Tensor, start: int, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Write the noise of positions ``start .. start + len(out)`` into int32 ``out`` (1-D)."""
+        run_fill_plan(self.fill_plan(out, start, tables))
+
+    def fill_plan(self, out: torch.Tensor, start: int,
+                  tables: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+        """``fill_`` as its xors, ``(a, b, out)`` views each, for ``run_fill_plan``: a caller that fills
+        the same ``out`` from the same ``tables`` tensors at every step (a small model's kept buffer;
+        eager ``tables`` are the same tensors at every step) makes the views once, not ~8 a step."""
         t, u = tables
         width, n, done = self.width, out.numel(), 0
         row, col = divmod(start, width)
+        plan = []
         if col:                         # a partial first row
             head = min(n, width - col)
-            torch.bitwise_xor(t[col:col + head], u[row:row + 1], out=out[:head])
+            plan.append((t[col:col + head], u[row:row + 1], out[:head]))
             done, row = head, row + 1
         full = (n - done) // width      # whole rows: one broadcast xor, (rows, 1) ^ (width,)
         if full:
-            torch.bitwise_xor(u[row:row + full, None], t, out=out[done:done + full * width].view(full, width))
+            plan.append((u[row:row + full, None], t, out[done:done + full * width].view(full, width)))
             done, row = done + full * width, row + full
         if done < n:                    # a partial last row
-            torch.bitwise_xor(t[:n - done], u[row:row + 1], out=out[done:])
+            plan.append((t[:n - done], u[row:row + 1], out[done:]))
+        return plan
 
     def advance(self, found_inf: torch.Tensor | None = None) -> None:
         """Count a step taken: +1, or ``1 - found_inf`` where the optimizer's kernel decided (device)."""
