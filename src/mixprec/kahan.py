@@ -107,9 +107,12 @@ def add_compensation_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[in
     bits = views.bits
     # A zero weight (magnitude bits 0) with c < 0 (low half now below 0x8000): the sub would borrow
     # through the sign into a NaN. No split makes that pair; the join makes it +0.0.
-    impossible = bits.bitwise_and(0x7FFF8000).logical_not()     # not `== 0`: no Python number to wrap
+    # possible: 1 where those bits are not all 0, else 0 (they are >= 0: the mask clears the sign), and
+    # the pattern is multiplied by it. Not `== 0` (a Python number is wrapped in a tensor first) nor a
+    # bool mask and masked_fill_: 19 us on the tiny model's 19,209 weights against 61 that way.
+    possible = bits.bitwise_and(0x7FFF8000).clamp_(max=1)
     bits.sub_(0x8000)
-    bits.masked_fill_(impossible, 0)
+    bits.mul_(possible)
 
 
 class KahanCompensation:
