@@ -183,8 +183,8 @@ def test_backward_keeps_fp8_copies_and_only_the_ones_it_needs():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             layer(torch.randn(8, 32, requires_grad=x_grad))
         big = [s for s in saved if s[1]]                      # leave out the 0-d inverse scales
-        # Saved transposed, as backward multiplies by them: x^T (K, M), W^T (K, N); the same bytes.
-        want = [(torch.float8_e4m3fn, (32, 8))] + ([(torch.float8_e4m3fn, (32, 16))] if x_grad else [])
+        # The casts themselves, x (M, K) and W (N, K), no copy (eager casts write no transpose).
+        want = [(torch.float8_e4m3fn, (8, 32))] + ([(torch.float8_e4m3fn, (16, 32))] if x_grad else [])
         assert big == want, saved                              # 1 byte per element, W only if needed
 
 

@@ -152,11 +152,13 @@ class Fp8LayerState(nn.Module):
         return cast(x, scale, fmt), scale, amax, counts
 
     def _cast_pair(self, role: str, x: torch.Tensor, record: bool, want_t: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(q, q^T, scale, amax, counts or None)``: ``_cast`` plus the transpose backward multiplies by.
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(q, q^T or None, scale, amax, counts or None)``: ``_cast`` plus, where the cast made it, a
+        contiguous transpose for backward to multiply by.
 
         Fused (``fused_casts``, eager, no range counting): one compiled kernel writes ``q`` and a
-        contiguous ``q^T``. Otherwise ``q^T`` is a view and ``scaled_mm`` makes the layout it needs.
+        contiguous ``q^T``. Otherwise there is none (None) and ``scaled_mm`` makes the layout it needs
+        from ``q`` (a view of a view would be two ops a role and a step for nothing).
         Inside a model the user compiles, the plain functions are traced and Inductor fuses them.
         Neither records: the caller enters the cast into the scale state with ``_record``.
         """
@@ -169,9 +171,9 @@ class Fp8LayerState(nn.Module):
                                              getattr(self, f"{role}_amax"), history, ROLES[role],
                                              algo=cfg.amax, margin=cfg.margin, pow2=cfg.pow2,
                                              record=False, want_t=want_t)
-            return q, (q_t if q_t is not None else q.t()), scale, amax, None
+            return q, q_t, scale, amax, None
         q, scale, amax, counts = self._cast(role, x, record)
-        return q, q.t(), scale, amax, counts
+        return q, None, scale, amax, counts
 
     def _mm(self, a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
             out_dtype: torch.dtype) -> torch.Tensor:

@@ -45,15 +45,15 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, layer: Fp8Linear,
                 out_dtype: torch.dtype, record: bool) -> torch.Tensor:
-        # x_t and w_t are what backward multiplies by, transposed: (K, M) and (K, N), row-major when
-        # the fused cast wrote them (views of x_q and w_q otherwise; scaled_mm copies them then).
+        # Backward multiplies by x (M, K) and W (N, K) as right-hand operands, which scaled_mm wants
+        # column-major: the transposes of the (K, M) and (K, N) copies the fused cast writes, else
+        # x_q and w_q themselves (row-major: scaled_mm copies them into that layout then).
         x_q, x_t, s_x, a_x, c_x = layer._cast_pair("input", x2d, record, ctx.needs_input_grad[1])    # (M, K)
         if hasattr(weight, "fp8_weight"):
             # FSDP2 all-gathered it in e4m3 (fp8/fsdp_weight.py): the cast ran on each shard, with
             # the whole weight's scale, before the gather. Range counts are not taken for it.
             w_q, s_w, a_w = weight.fp8_weight()
-            w_q, c_w = (w_q if layer.backend == "scaled_mm" else w_q.to(torch.float32)), None
-            w_t = w_q.t()
+            w_q, w_t, c_w = (w_q if layer.backend == "scaled_mm" else w_q.to(torch.float32)), None, None
         else:
             w_q, w_t, s_w, a_w, c_w = layer._cast_pair("weight", weight, record, ctx.needs_input_grad[0])  # (N, K)
         # Reciprocals undo the scales after the matmul; exact when the scales are powers of two.
@@ -61,9 +61,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         out = layer._mm(x_q, w_q.t(), inv_x, inv_w, out_dtype)     # (M, N)
         # Keep only what backward will use: the fp8 x for the weight gradient, the fp8 W for the input
         # gradient (a first layer fed with data needs no input gradient, so no copy of W is kept).
-        ctx.save_for_backward(x_t if ctx.needs_input_grad[1] else None,
-                              w_t if ctx.needs_input_grad[0] else None, inv_x, inv_w,
-                              s_x, a_x, c_x, s_w, a_w, c_w)
+        ctx.save_for_backward((x_q if x_t is None else x_t.t()) if ctx.needs_input_grad[1] else None,
+                              (w_q if w_t is None else w_t.t()) if ctx.needs_input_grad[0] else None,
+                              inv_x, inv_w, s_x, a_x, c_x, s_w, a_w, c_w)
         ctx.layer, ctx.x_dtype, ctx.w_dtype, ctx.record = layer, x2d.dtype, weight.dtype, record
         return out
 
@@ -79,7 +79,7 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def _grads(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_t, w_t, inv_x, inv_w, s_x, a_x, c_x, s_w, a_w, c_w = ctx.saved_tensors
+        x_b, w_b, inv_x, inv_w, s_x, a_x, c_x, s_w, a_w, c_w = ctx.saved_tensors   # (M, K), (N, K)
         layer = ctx.layer
         g_q, g_t, s_g, a_g, c_g = layer._cast_pair("grad_output", grad_out, True, ctx.needs_input_grad[1])
         if ctx.record:
@@ -89,12 +89,12 @@ class _Fp8LinearFn(torch.autograd.Function):
             layer._record("input", s_x, a_x, c_x, "weight", s_w, a_w, c_w, "grad_output", s_g, a_g, c_g)
         else:
             layer._record("grad_output", s_g, a_g, c_g)
-        inv_g = s_g.reciprocal()                                  # g_q (M, N) e5m2, g_t (N, M)
+        inv_g = s_g.reciprocal()                                  # g_q (M, N) e5m2, g_t (N, M) or None
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = layer._mm(g_q, w_t.t(), inv_g, inv_w, ctx.x_dtype)     # (M,N)@(N,K)
+            grad_x = layer._mm(g_q, w_b, inv_g, inv_w, ctx.x_dtype)     # (M,N)@(N,K)
         if ctx.needs_input_grad[1]:
-            grad_w = layer._mm(g_t, x_t.t(), inv_g, inv_x, ctx.w_dtype)     # (N,M)@(M,K)
+            grad_w = layer._mm(g_q.t() if g_t is None else g_t, x_b, inv_g, inv_x, ctx.w_dtype)  # (N,M)@(M,K)
         return grad_x, grad_w, None, None, None
 
 

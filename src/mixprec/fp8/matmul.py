@@ -38,7 +38,12 @@ def _operands(a: torch.Tensor, b: torch.Tensor, pad: bool) -> tuple[torch.Tensor
     (m, k), n = a.shape, b.shape[1]
     k_pad = k + (-k % _CUDA_ALIGN) if pad else k
     if k_pad == k:
-        return a.contiguous(), b.t().contiguous().t()
+        # b already column-major (the forward's W^T, a view of the row-major W) is used as it is:
+        # transposing it twice to find that out cost two ops per matmul.
+        stride = b.stride()
+        if stride[0] != 1 or stride[1] != k:
+            b = b.t().contiguous().t()
+        return a.contiguous(), b
     a_p = a.new_zeros((m, k_pad))
     a_p[:, :k] = a
     b_t = b.new_zeros((n, k_pad))      # (N, K_pad) row-major: its transpose is (K_pad, N) column-major

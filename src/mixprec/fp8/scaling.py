@@ -40,7 +40,9 @@ def amax_f32(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a 0-d fp32 tensor (exact: a max picks an existing value). NaN if x holds NaN."""
     # The inf-norm is max |x| in one reduction, without abs()'s full-size temporary. Every step casts
     # three tensors per layer through here: no cast of an fp32 amax, and no float("inf") call.
-    amax = torch.linalg.vector_norm(x.detach(), math.inf)
+    # Detached only where autograd would record the norm (an fp8 layer's casts run inside its
+    # autograd.Function, with grad mode off: a detach there is an op per cast for nothing).
+    amax = torch.linalg.vector_norm(x.detach() if x.requires_grad and torch.is_grad_enabled() else x, math.inf)
     return amax if amax.dtype == torch.float32 else amax.to(torch.float32)
 
 
@@ -107,7 +109,7 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tens
     becomes NaN in e4m3, which has no inf (torch's CPU cast would turn +inf into 448 and hide it).
     Bit for bit ``quantize(x * scale, fmt, saturate=True)`` (tests/test_fp8.py checks it).
     """
-    y = x.to(torch.float32) * scale
+    y = (x if x.dtype == torch.float32 else x.to(torch.float32)) * scale    # a new tensor either way
     if fmt.has_inf:
         y = torch.where(torch.isinf(y), y, y.clamp(-fmt.max, fmt.max))       # clamp keeps NaN as NaN
     else:   # +-inf -> NaN first (the clamp would make them +-max), in place on the product
