@@ -83,11 +83,12 @@ def split_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[int]],
     """
     views = views if views is not None else Fp32Bits(flat)
     torch.nan_to_num_(flat, nan=math.nan, posinf=math.inf, neginf=-math.inf)   # identity but for NaN
-    views.bits.add_(0x8000)           # carries into the high half iff the low one >= 0x8000
+    views.bits.add_(views.half_ulp)   # carries into the high half iff the low one >= 0x8000
     # The low halves now hold c + 0x8000, as unsigned 16 bits. -32768 is 0x8000 as int16: the xor
     # subtracts 32768 modulo 2**16, giving c's two's complement.
+    top = views.low_top
     for low, c in _stretches(views.low, comp, runs, views.n):
-        torch.bitwise_xor(low, -32768, out=c)
+        torch.bitwise_xor(low, top, out=c)
     return views.high
 
 
@@ -102,16 +103,18 @@ def add_compensation_(flat: torch.Tensor, comp: torch.Tensor, runs: list[list[in
     weights, one CPU thread: 5.1 ms that way, 5.4 ms this way).
     """
     views = views if views is not None else Fp32Bits(flat)
+    top = views.low_top
     for low, c in _stretches(views.low, comp, runs, views.n):
-        torch.bitwise_xor(c, -32768, out=low)
+        torch.bitwise_xor(c, top, out=low)
     bits = views.bits
     # A zero weight (magnitude bits 0) with c < 0 (low half now below 0x8000): the sub would borrow
     # through the sign into a NaN. No split makes that pair; the join makes it +0.0.
-    # possible: 1 where those bits are not all 0, else 0 (they are >= 0: the mask clears the sign), and
-    # the pattern is multiplied by it. Not `== 0` (a Python number is wrapped in a tensor first) nor a
-    # bool mask and masked_fill_: 19 us on the tiny model's 19,209 weights against 61 that way.
-    possible = bits.bitwise_and(0x7FFF8000).clamp_(max=1)
-    bits.sub_(0x8000)
+    # possible: 1 where those bits are not all 0, else 0 (sign_ of a value >= 0: the mask clears the
+    # sign bit), and the pattern is multiplied by it. Not `== 0` (a Python number is wrapped in a
+    # tensor first) nor a bool mask and masked_fill_: 19 us on the tiny model's 19,209 weights against
+    # 61 that way. sign_ rather than clamp_(max=1): 1.9 against 4 us at 1000 elements.
+    possible = bits.bitwise_and(views.magnitude).sign_()
+    bits.sub_(views.half_ulp)
     bits.mul_(possible)
 
 

@@ -139,6 +139,7 @@ class RoundingNoise:
         self.width = 1 << max(0, math.isqrt(max(numel - 1, 0)).bit_length())
         self.rows = -(-numel // self.width)
         self.rounds = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._one = torch.ones((), dtype=torch.int64, device=self.device)   # a step: add_ of it, no wrap
         self._rounds1 = self.rounds.view(1)      # the same count as a (1,) view: no view op a step
         # Tables for the next ``_ahead`` steps, hashed in one batch (``tables``): 2 small ops a step
         # instead of ~25. At most _AHEAD_ENTRIES int32 held; a model too large for two steps' worth
@@ -234,7 +235,7 @@ class RoundingNoise:
     def advance(self, found_inf: torch.Tensor | None = None) -> None:
         """Count a step taken: +1, or ``1 - found_inf`` where the optimizer's kernel decided (device)."""
         if found_inf is None:
-            self.rounds += 1
+            self.rounds.add_(self._one)
         else:
             self.rounds += found_inf.reshape(()).logical_not()     # 1 where stepped (a float or bool flag)
         if torch.compiler.is_compiling():
