@@ -138,21 +138,22 @@ class RoundingNoise:
         # and the two hold at most ~4 sqrt(numel) entries (a 7B model: ~185K).
         self.width = 1 << max(0, math.isqrt(max(numel - 1, 0)).bit_length())
         self.rows = -(-numel // self.width)
-        self.rounds = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._one = torch.ones((), dtype=torch.int64, device=self.device)   # a step: add_ of it, no wrap
-        self._rounds1 = self.rounds.view(1)      # the same count as a (1,) view: no view op a step
-        # Tables for the next ``_ahead`` steps, hashed in one batch (``tables``): 2 small ops a step
+        # [steps taken, steps taken since the batch of tables was hashed]: one add counts a step in
+        # both, and the second is the row the next step picks (``tables``), with no op to work it out.
+        self._counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.rounds = self._counts[0]
+        self._offset = self._counts[1:]          # (1,): index_select's index
+        self._ones = torch.ones(2, dtype=torch.int64, device=self.device)   # a step taken, no wrap
+        # Tables for the next ``_ahead`` steps, hashed in one batch (``tables``): one small op a step
         # instead of ~25. At most _AHEAD_ENTRIES int32 held; a model too large for two steps' worth
         # hashes each step's tables alone, as its compute dwarfs the launches anyway.
         self._ahead = min(_AHEAD_STEPS, _AHEAD_ENTRIES // (self.width + self.rows))
         self._batch: torch.Tensor | None = None     # (_ahead, width + rows) int32: rows for origin + j
-        self._origin: torch.Tensor | None = None    # (1,) rounds when the batch was hashed (device)
-        self._advances = 0                          # advance() calls since then: rounds - origin <= this
+        self._advances = 0                          # advance() calls since then: the offset is <= this
         # Eager steps: this step's row of the batch is written here (index_select's out=), so T and U
         # are the same two views at every step and a caller may keep views of them (``fill_plan``).
         self._row: torch.Tensor | None = None
         self._row_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._offset: torch.Tensor | None = None    # (1,) int64: rounds - origin, the row to pick
         self._seed(seed % 2**64)        # any int: Python's modulo maps negatives into [0, 2**64)
 
     def _seed(self, seed64: int) -> None:
@@ -174,7 +175,7 @@ class RoundingNoise:
         so a skipped step, which leaves ``rounds`` where it was, picks the same row again. Row ``j``
         is bit for bit the tables hashed alone at ``origin + j``; it is written into the same two
         tensors at every eager step (valid until the next call). The batch is hashed afresh once
-        ``advance`` has been called ``_ahead`` times since (``rounds - origin`` can only have
+        ``advance`` has been called ``_ahead`` times since (the steps taken since can only have
         reached that then) or the state was set. Traced (``torch.compile``): hashed alone, in the
         graph, and the batch is dropped (the graph moves ``rounds`` where this object cannot count).
         """
@@ -184,13 +185,12 @@ class RoundingNoise:
         if self._batch is None or self._advances >= self._ahead:
             steps = self.rounds + torch.arange(self._ahead, dtype=torch.int64, device=self.device)
             self._batch = self._hashed(steps[:, None])                        # (ahead, width + rows)
-            self._origin, self._advances = self._rounds1.clone(), 0
+            self._offset.zero_()        # the batch's origin is the count now
+            self._advances = 0
             if self._row is None:      # the same shape for the whole run: made once
                 self._row = torch.empty((1, self.width + self.rows), dtype=torch.int32, device=self.device)
                 self._row_tables = (self._row[0, :self.width], self._row[0, self.width:])
-                self._offset = torch.empty(1, dtype=torch.int64, device=self.device)
-        # Two ops a step: which row (rounds - origin, on the device), and that row into the kept one.
-        torch.sub(self._rounds1, self._origin, out=self._offset)
+        # One op a step: the row of the steps taken since (counted on the device) into the kept one.
         torch.index_select(self._batch, 0, self._offset, out=self._row)
         return self._row_tables
 
@@ -235,9 +235,9 @@ class RoundingNoise:
     def advance(self, found_inf: torch.Tensor | None = None) -> None:
         """Count a step taken: +1, or ``1 - found_inf`` where the optimizer's kernel decided (device)."""
         if found_inf is None:
-            self.rounds.add_(self._one)
-        else:
-            self.rounds += found_inf.reshape(()).logical_not()     # 1 where stepped (a float or bool flag)
+            self._counts.add_(self._ones)
+        else:                           # 1 where stepped (a float or bool flag), into both counts
+            self._counts.add_(found_inf.reshape(1).logical_not())
         if torch.compiler.is_compiling():
             self._batch = None      # a Python count in a graph would be a guard: hash afresh after it
         else:
