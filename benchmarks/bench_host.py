@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import sys
 import time
@@ -217,11 +218,22 @@ class CallCounter:
 
 
 def count_calls(step: Callable[[], None], warmup: int = 3) -> CallCounter:
-    """The calls one step makes after ``warmup`` steps (optimizer state, lazy first-step work)."""
+    """The calls one step makes after ``warmup`` steps (optimizer state, lazy first-step work).
+
+    The garbage collector is collected before and paused during the counted step: a collection that
+    happens to fall in it runs other objects' finalizers and weakref callbacks (12 calls once, after
+    other tests had run in the same process), which are not the step's calls."""
     for _ in range(warmup):
         step()
-    with CallCounter() as counter:
-        step()
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with CallCounter() as counter:
+            step()
+    finally:
+        if was_enabled:
+            gc.enable()
     return counter
 
 
