@@ -1,13 +1,12 @@
 """Constant operands of a step's small elementwise ops as 0-d tensors, made once per value, dtype and
 device.
 
-A Python number as an operand (``bits.add_(0x8000)``, ``amax.clamp(min=floor)``) is wrapped into a
-fresh 0-d tensor at every call, and where that tensor's dtype is not the other operand's the kernel
-takes a slower path. A kept 0-d tensor of the operand's own dtype skips both. Measured on the CPU
-(torch 2.13, one thread, 1000 elements, warm): ``add_`` of an int32 constant 3.6 us as a Python int,
-1.5 us as a 0-d int32 tensor; an xor into a strided int16 view 9.5 against 4.2; ``clamp(min=)`` of a
-0-d fp32 5.2 against ``maximum`` with a 0-d tensor 1.8. A step that runs such an op once per weight
-buffer or fp8 cast pays the difference at every step; the values are the same bits.
+A Python number as an operand (``bits.add_(0x8000)``) is wrapped into a fresh 0-d tensor at every
+call, and where that tensor's dtype is not the other operand's (a Python int is int64) the kernel takes
+a slower path. A kept 0-d tensor of the operand's own dtype skips both. Measured on the CPU (torch
+2.13, one thread, 1000 elements, warm): ``add_`` of an int32 constant 3.6 us as a Python int, 1.5 us
+as a 0-d int32 tensor; an xor into a strided int16 view 9.5 against 4.2. bf16-kahan's split and join
+run such ops at every step (``bit_views.Fp32Bits`` keeps their constants); the values are the same bits.
 
     >>> operand(0x8000, torch.int32, torch.device("cpu"))
     tensor(32768, dtype=torch.int32)
