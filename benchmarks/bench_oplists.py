@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 import mixprec
 from mixprec.lab.workloads import get_workload
-from mixprec.oplists import OpListMode, OpPolicy
+from mixprec.casting.oplists import OpListMode, OpPolicy
 
 EDITS = ["fp32_ops=layer_norm", "fp32_ops=layer_norm+gelu", "fp32_ops=scaled_dot_product_attention",
          "follow_ops=linear"]

@@ -41,7 +41,7 @@ class HFStyleLM(nn.Module):
 
 def _one(variant: str, device: str) -> float:
     import mixprec
-    from mixprec.casting import cast_floating
+    from mixprec.casting.model import cast_floating
     torch.manual_seed(0)
     model = HFStyleLM().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

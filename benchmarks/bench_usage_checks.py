@@ -88,7 +88,7 @@ def checks_alone(n_params: int, device: torch.device, reps: int = 2000) -> float
     """Median microseconds of the checks' own work in one step, for a model with n_params tensors:
     the model-gradient list, check_before_step (fast path: mp.backward was called) and after_step."""
     from mixprec.recipe import get_recipe
-    from mixprec.usage_checks import UsageChecks
+    from mixprec.guards.usage import UsageChecks
     params = [nn.Parameter(torch.zeros(4, device=device)) for _ in range(n_params)]
     for p in params:
         p.grad = torch.zeros(4, device=device)

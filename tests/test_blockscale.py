@@ -19,7 +19,7 @@ from mixprec.fp8.blockscale import (
     BlockScaling, _round_magic_, dequantize_blocked, fake_quantize_blocked, quantize_blocked, random_hadamard,
     range_counts, rounding_noise,
 )
-from mixprec.stochastic_rounding import RoundingNoise
+from mixprec.update.stochastic_rounding import RoundingNoise
 
 ROWWISE = BlockScaling(FP8_E4M3, 0, scale="pow2")
 BLOCK_1X128 = BlockScaling(FP8_E4M3, 128, scale="fp32")

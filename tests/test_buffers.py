@@ -7,7 +7,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mixprec import MixedPrecision
-from mixprec.buffers import cast_buffers, decide_buffer
+from mixprec.casting.buffers import cast_buffers, decide_buffer
 
 
 def _inv_freq(head_dim: int = 128, base: float = 10000.0) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision, parse_recipe
-from mixprec.casting import cast_floating, low_precision_params
+from mixprec.casting.model import cast_floating, low_precision_params
 
 
 class Net(nn.Module):
@@ -109,7 +109,7 @@ class LossInside(nn.Module):
 
 
 def test_outputs_are_cast_where_the_loss_needs_it_not_copied_wholesale():
-    from mixprec.casting import autocast_softmax_is_fp32
+    from mixprec.casting.model import autocast_softmax_is_fp32
     assert not autocast_softmax_is_fp32("cpu", torch.bfloat16)   # CPU autocast: log_softmax stays bf16
     model = LossInside()
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")

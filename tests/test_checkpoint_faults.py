@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mixprec.checkpoint
+import mixprec.checkpoint.files
 from mixprec import CheckpointError, MixedPrecision, load_checkpoint, save_checkpoint
-from mixprec.checkpoint import read_verified, write_verified
+from mixprec.checkpoint.files import read_verified, write_verified
 
 from conftest import batches, tiny_model
 
@@ -300,7 +300,7 @@ def test_a_folder_path_through_a_file_is_named(tmp_path):
 def test_a_read_only_filesystem_names_the_users_path(tmp_path, monkeypatch):
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".ck.pt.abc.tmp"))
-    monkeypatch.setattr(mixprec.checkpoint.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(mixprec.checkpoint.files.tempfile, "mkstemp", read_only)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(tmp_path / "ck.pt", make()[0])
     message = str(info.value)
@@ -330,7 +330,7 @@ def test_a_failure_the_checks_do_not_know_puts_everything_back(tmp_path, monkeyp
 
     def broken(state):   # fails last: model, engine, optimizer and scheduler are already overwritten
         raise RuntimeError("injected")
-    monkeypatch.setattr(mixprec.checkpoint, "_set_rng_state", broken)
+    monkeypatch.setattr(mixprec.checkpoint.files, "_set_rng_state", broken)
     with pytest.raises(CheckpointError, match="restoring failed after every check passed .injected.*"
                                               "put back as they were"):
         load_checkpoint(path, mp, scheduler=scheduler)
@@ -353,7 +353,7 @@ def test_a_failure_of_the_rng_restore_puts_the_rng_back_too(tmp_path, monkeypatc
         if len(calls) == 1:
             raise ValueError("injected")
         real(state)
-    monkeypatch.setattr(mixprec.checkpoint.np.random, "set_state", fails_once)
+    monkeypatch.setattr(mixprec.checkpoint.files.np.random, "set_state", fails_once)
     with pytest.raises(CheckpointError, match="put back as they were"):
         load_checkpoint(path, mp, scheduler=scheduler)
     assert_same(before, snapshot(mp, scheduler))
@@ -366,6 +366,6 @@ def test_when_putting_back_fails_too_the_message_says_partly_restored(tmp_path, 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
     monkeypatch.setattr(mp.optimizer, "load_state_dict", broken)
-    monkeypatch.setattr(mixprec.checkpoint._Snapshot, "restore", broken)
+    monkeypatch.setattr(mixprec.checkpoint.files._Snapshot, "restore", broken)
     with pytest.raises(CheckpointError, match="putting the engine back failed too.*partly restored"):
         load_checkpoint(path, mp)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import mixprec
 from mixprec import CheckpointError, MixedPrecision, read_checkpoint, save_checkpoint
-from mixprec.checkpoint import _MAGIC, read_verified, write_verified
+from mixprec.checkpoint.files import _MAGIC, read_verified, write_verified
 
 from conftest import batches, tiny_model
 
@@ -66,7 +66,7 @@ def test_torch_load_on_a_checkpoint_says_how_to_open_it(tmp_path, weights_only):
     with pytest.raises(CheckpointError, match=r"torch.load cannot read it. Open it with "
                                               r"mixprec.read_checkpoint\(path\).*mixprec ckpt show"):
         torch.load(path, weights_only=weights_only)
-    assert mixprec.checkpoint.use_mixprec_read_checkpoint in torch.serialization.get_safe_globals()
+    assert mixprec.checkpoint.files.use_mixprec_read_checkpoint in torch.serialization.get_safe_globals()
 
 
 def test_torch_load_where_mixprec_was_never_imported_still_names_the_way_in(tmp_path):

@@ -514,7 +514,7 @@ def test_a_gpu_benchmark_on_the_cpu_says_it_will_be_slow_before_it_starts(monkey
 def test_a_recipe_name_that_matches_no_module_is_a_usage_error_before_training(command, recipe_flag, recipe,
                                                                                named, capsys):
     # Were found by the engine once the recipe's run had started (compare: after the recipes before it
-    # had trained), and printed as a crash: "... in (casting.py:103: raise ValueError(); run with --traceback".
+    # had trained), and printed as a crash: "... in (casting/model.py:103: raise ValueError(); run with --traceback".
     from mixprec.lab.cli import main
     assert main([command, recipe_flag, recipe, "--device", "cpu"]) == 2
     err = capsys.readouterr().err

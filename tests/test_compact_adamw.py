@@ -14,8 +14,8 @@ from conftest import batches, tiny_model
 from torch import nn
 
 from mixprec import MixedPrecision, memory_report, parse_recipe
-from mixprec.checkpoint import load_checkpoint, save_checkpoint
-from mixprec.compact_adamw import CompactAdamW, decode_moment, encode_moment, moment_bytes
+from mixprec.checkpoint.files import load_checkpoint, save_checkpoint
+from mixprec.update.compact_adamw import CompactAdamW, decode_moment, encode_moment, moment_bytes
 from mixprec.recipe.moments import Moments
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision, parse_recipe
-from mixprec import optimizer_step
+from mixprec.step import optimizer as optimizer_step
 
 from conftest import OPTIMIZERS, batches, tiny_model
 

@@ -12,7 +12,7 @@ from torch import nn
 from mixprec import MixedPrecision
 from mixprec.devices import supports
 from mixprec.diagnostics.range_collector import RangeCollector
-from mixprec.grad_norm import GradNorm, global_norm_f32
+from mixprec.step.grad_norm import GradNorm, global_norm_f32
 
 
 def _step(mp, model, x):

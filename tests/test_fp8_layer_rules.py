@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.checkpoint import load_checkpoint, save_checkpoint
+from mixprec.checkpoint.files import load_checkpoint, save_checkpoint
 from mixprec.recipe import Fp8Config, Fp8Scaling, get_recipe, parse_recipe
 
 MIXED = "bf16,fp8=rowwise(skip=4,layers=0:mxfp8+2:current)"

@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from mixprec.fusion import FusedFunction, FusionWarning
-from mixprec.loss_scale import DynamicLossScale
+from mixprec.loss_scale.scales import DynamicLossScale
 from mixprec.recipe import LossScaleConfig
 
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import OPTIMIZERS, assert_same_state, batches, master_state, tiny_model
 
-import mixprec.master as master_module
+import mixprec.update.master as master_module
 from mixprec import MixedPrecision
-from mixprec.grad_norm import GradNorm, _fits_one_block, global_norm_f32
+from mixprec.step.grad_norm import GradNorm, _fits_one_block, global_norm_f32
 
 
 class count_ops(TorchDispatchMode):

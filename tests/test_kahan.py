@@ -12,10 +12,10 @@ from torch import nn
 
 from conftest import OPTIMIZERS, batches, tiny_model
 from mixprec import CheckpointError, MixedPrecision, get_recipe, load_checkpoint, parse_recipe, save_checkpoint
-from mixprec.checkpoint import read_verified, write_verified
-from mixprec.grad_sync import _check_fsdp_recipe
-from mixprec.kahan import add_compensation_, split_
-from mixprec.master import MasterWeights
+from mixprec.checkpoint.files import read_verified, write_verified
+from mixprec.step.grad_sync import _check_fsdp_recipe
+from mixprec.update.kahan import add_compensation_, split_
+from mixprec.update.master import MasterWeights
 from mixprec.recipe import Rounding
 
 
@@ -151,7 +151,7 @@ def test_kahan_steps_the_fp32_values_bf16_pure_steps(opt):
 
 def test_memory_counts_the_compensation_and_export_gives_the_exact_fp32_values():
     from mixprec.diagnostics.memory import state_bytes
-    from mixprec.export import fp32_state_dict
+    from mixprec.checkpoint.export import fp32_state_dict
     pure, kahan = _train("bf16-pure", "adamw-foreach"), _train("bf16-kahan", "adamw-foreach")
     n = sum(p.numel() for p in kahan.master.kahan.params)
     assert state_bytes(kahan).master == 2 * n                   # the other half of an fp32 master

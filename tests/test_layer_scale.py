@@ -1,4 +1,4 @@
-"""Per-layer loss scaling (mixprec.layer_scale): the underflow it fixes, measured against fp32; overflows
+"""Per-layer loss scaling (mixprec.loss_scale.per_layer): the underflow it fixes, measured against fp32; overflows
 skip and back off the right knob; pinned factors give the global dynamic scale bit for bit; any graph
 (residuals, in-place ops, tied weights, reuse) gets exact gradients; checkpoints resume bit for bit."""
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision, load_checkpoint, save_checkpoint
-from mixprec.layer_graph import find_layers
-from mixprec.layer_scale import MAX_FACTOR, LayerLossScale
+from mixprec.loss_scale.layer_graph import find_layers
+from mixprec.loss_scale.per_layer import MAX_FACTOR, LayerLossScale
 from mixprec.recipe import LossScaleConfig, LossScaleKind, parse_recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec import LossScaleConfig
-from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
+from mixprec.loss_scale.scales import DynamicLossScale, NoLossScale, StaticLossScale
 
 T, F = torch.tensor(True), torch.tensor(False)
 

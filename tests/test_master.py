@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import MixedPrecision
-from mixprec.master import MasterWeights
-from mixprec.stochastic_rounding import RoundingNoise, stochastic_round_bf16, stochastic_round_bf16_
+from mixprec.update.master import MasterWeights
+from mixprec.update.stochastic_rounding import RoundingNoise, stochastic_round_bf16, stochastic_round_bf16_
 from mixprec.recipe import Rounding
 
 
@@ -402,7 +402,7 @@ def test_load_model_state_dict_loads_fp32_weights_at_fp32_precision(recipe):
     assert all(torch.equal(fp32[k], v) for k, v in sd.items())
     low = model[0].weight
     rounding = sd["0.weight"].to(low.dtype)
-    if recipe == "bf16-kahan":                 # ties away from zero, not to even (kahan.py)
+    if recipe == "bf16-kahan":                 # ties away from zero, not to even (update/kahan.py)
         assert (low.float() - sd["0.weight"]).abs().le(low.float().abs() * 2**-8).all()
     else:
         assert torch.equal(low.detach(), rounding)

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from conftest import OPTIMIZERS, assert_same_state, batches, master_state, tiny_model
 
-import mixprec.master as master_module
+import mixprec.update.master as master_module
 from mixprec import MixedPrecision
 from mixprec.diagnostics.memory import state_bytes, storage_bytes
-from mixprec.master import MasterWeights
+from mixprec.update.master import MasterWeights
 
 
 def train(recipe, opt_name, chunk_bytes=None, steps=4, clip=None, plant_at=None, seed=0):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision, Precision, parse_recipe
-from mixprec.casting import low_precision_params, module_precisions
+from mixprec.casting.model import low_precision_params, module_precisions
 
 
 class Tiny(nn.Module):

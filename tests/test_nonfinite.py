@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import mixprec
-from mixprec.nonfinite import NonfiniteTracer
+from mixprec.guards.nonfinite import NonfiniteTracer
 
 
 class _TimesInBackward(torch.autograd.Function):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision, parse_recipe
-from mixprec.oplists import (OpListMode, OpPolicy, autocast_op_lists, check_op_names, default_policy,
+from mixprec.casting.oplists import (OpListMode, OpPolicy, autocast_op_lists, check_op_names, default_policy,
                              op_list_mode)
 
 LOW = torch.bfloat16
@@ -178,7 +178,7 @@ def library_ops():
     cast to fp32) and ``opaque`` (no fake kernel, and a ``Device`` argument the probe cannot make up, so
     the probe cannot call it).
     The probe caches are cleared around the test and the ops dropped after it."""
-    import mixprec.oplists as oplists
+    import mixprec.casting.oplists as oplists
     lib = torch.library.Library("mixprec_test", "FRAGMENT")
     for name, body in (("scaled", lambda x: x * 2), ("bmm", lambda x: x + 1), ("opaque", lambda x, d: x.to(d))):
         lib.define(f"{name}(Tensor x, Device d) -> Tensor" if name == "opaque" else f"{name}(Tensor x) -> Tensor")
@@ -219,7 +219,7 @@ def test_torchvision_ops_registered_for_autocast_are_listed_or_named():
                   if op.startswith("torchvision::")}
     if not registered:
         pytest.skip(f"torchvision {torchvision.__version__} registered no CPU autocast ops here")
-    import mixprec.oplists as oplists
+    import mixprec.casting.oplists as oplists
     oplists.autocast_op_lists.cache_clear(), oplists._probed.cache_clear()
     lists = autocast_op_lists("cpu", LOW)
     listed = {n for n in lists.low | lists.fp32 | lists.follow if n.startswith("torchvision::")}

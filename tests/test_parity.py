@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mixprec import MixedPrecision
 from mixprec.diagnostics.op_count import count_aten_ops, count_compiled_graphs
 from mixprec.lab.models import GPT, GPTConfig
-from mixprec.saved16 import SavedPolicyWarning
+from mixprec.casting.saved16 import SavedPolicyWarning
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # The non-finite skip (3 ops of norm, 2 of flag), counting steps and skips (2), and where the step

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixprec import LossScaleConfig, Precision, RECIPES, Recipe, get_recipe, parse_recipe
-from mixprec.oplists import OpPolicy
+from mixprec.casting.oplists import OpPolicy
 from mixprec.formats import FP16
 from mixprec.recipe import AmaxAlgorithm, Fp8Backend, Fp8Config, LossScaleKind, Rounding
 
@@ -425,7 +425,7 @@ def test_fuzzed_recipe_strings_parse_and_round_trip_or_raise_a_clear_error(text)
     assert parse_recipe(str(recipe)) == recipe, (text, str(recipe))
     # What parses also builds: the device state holds the scale as a usable fp32 (not 0, subnormal or
     # inf) and the counts fit their int32 tensors.
-    from mixprec.loss_scale import make_loss_scale
+    from mixprec.loss_scale.scales import make_loss_scale
     value = float(make_loss_scale(recipe.loss_scale, "cpu").value)
     assert 2.0**-24 <= value < float("inf"), (text, value)
 

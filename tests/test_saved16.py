@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mixprec import MixedPrecision, cross_entropy, memory_report, parse_recipe
 from mixprec.diagnostics.memory import SavedTensorMeter
 from mixprec.lab.models import GPT, GPTConfig
-from mixprec.saved16 import Saved, SavedPacker, _upcast_source, upcast_source
+from mixprec.casting.saved16 import Saved, SavedPacker, _upcast_source, upcast_source
 
 
 def test_only_casts_up_from_16_bits_are_exact():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.tf32 import fp32_precision
+from mixprec.casting.tf32 import fp32_precision
 
 KNOBS = {"matmul": torch.backends.cuda.matmul, "conv": torch.backends.cudnn.conv,
          "rnn": torch.backends.cudnn.rnn}

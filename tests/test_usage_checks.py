@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import MixedPrecision
-from mixprec.usage_checks import SKIP_WARNING_AFTER
+from mixprec.guards.usage import SKIP_WARNING_AFTER
 
 from conftest import OPTIMIZERS, batches, tiny_model
 
@@ -306,7 +306,7 @@ def test_the_device_decided_skip_run_is_read_from_an_earlier_steps_copy_without_
     # reads the copy an earlier step left in pinned memory. Emulated with CPU tensors, where the copy
     # lands at once: each read returns the count as of the step before.
     from mixprec.recipe import get_recipe
-    from mixprec.usage_checks import UsageChecks
+    from mixprec.guards.usage import UsageChecks
     checks = UsageChecks(get_recipe("bf16"), False, torch.device("cpu"))
     assert checks._read_run_if_free() is None            # a CPU engine: the host knows each outcome
     checks._on_cuda = True                              # the CUDA branch, its pinned buffer a plain one

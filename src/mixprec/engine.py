@@ -31,30 +31,30 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .casting import cast_model, check_module_patterns, keeps_fp32, low_precision_params
-from .checkpoint_check import check_engine_state
-from .compact_adamw import CompactAdamW
+from .casting.model import cast_model, check_module_patterns, keeps_fp32, low_precision_params
+from .checkpoint.check import check_engine_state
+from .update.compact_adamw import CompactAdamW
 from .devices import supports
-from .grad_norm import GradNorm
-from .grad_sync import GradSync, GroupChoice, SyncKind
-from .export import fp32_state_dict
+from .step.grad_norm import GradNorm
+from .step.grad_sync import GradSync, GroupChoice, SyncKind
+from .checkpoint.export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
 from .fp8.swap import Fp8SwapReport, check_fp8_patterns, none_swapped_reason, resolve_backends, swap_to_fp8
-from .layer_scale import LayerLossScale
-from .loss_scale import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
-from .master import MasterWeights
-from .nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
-from .oplists import op_list_mode
-from .optimizer_step import (fused_kernel_for, fused_optimizer_step, generic_optimizer_step,
+from .loss_scale.per_layer import LayerLossScale
+from .loss_scale.scales import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
+from .update.master import MasterWeights
+from .guards.nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
+from .casting.oplists import op_list_mode
+from .step.optimizer import (fused_kernel_for, fused_optimizer_step, generic_optimizer_step,
                              host_fused_optimizer_step, master_whole, unscale_and_clip)
 from .recipe import Precision, Recipe, get_recipe
 from .engine_args import check_arguments
-from .usage_checks import (UsageChecks, bare_step_reason, check_loss_tensor, check_param_dtypes,
+from .guards.usage import (UsageChecks, bare_step_reason, check_loss_tensor, check_param_dtypes,
                            foreign_params_message, frozen_model_message, no_grads_message, remember_engine)
 from .recipe.moments import Moments
-from .saved16 import Saved, SavedPacker, warn_if_compiled_saves
-from .step_result import StepObserver, StepResult
-from .tf32 import fp32_precision
+from .casting.saved16 import Saved, SavedPacker, warn_if_compiled_saves
+from .step.result import StepObserver, StepResult
+from .casting.tf32 import fp32_precision
 
 __all__ = ["MixedPrecision", "StepResult", "StepObserver", "Fp8EmulationWarning"]
 
@@ -97,7 +97,7 @@ class MixedPrecision:
 
     ``trace_nonfinite=True`` watches every op of the forward (inside ``autocast()``) and the backward
     (inside ``backward()``) and, after a step whose gradients were not finite, ``last_overflow`` names
-    the module and aten op where the first inf/NaN appeared (``mixprec.nonfinite``). Off by
+    the module and aten op where the first inf/NaN appeared (``mixprec.guards.nonfinite``). Off by
     default; off installs nothing.
 
     ``process_group`` says how the overflow flag and that norm are shared across ranks, so every
@@ -149,7 +149,7 @@ class MixedPrecision:
         if self.recipe.param.is_low and not self.grad_sync.fsdp:
             self.master = MasterWeights(low, optimizer, keep=self.recipe.master is not None,
                                         rounding=self.recipe.rounding, seed=seed)
-        # moments=bf16|bf16-sr|fp8: the engine steps its own AdamW with compact moments (compact_adamw.py).
+        # moments=bf16|bf16-sr|fp8: the engine steps its own AdamW with compact moments (update/compact_adamw.py).
         self.moments: CompactAdamW | None = None
         if self.recipe.moments is not Moments.FP32:
             if self.grad_sync.fsdp:
@@ -175,7 +175,7 @@ class MixedPrecision:
         self._hooks = cast_model(model, self.recipe, self.device.type,
                                  cast_params=not self.grad_sync.fsdp)
         # saved=exact|low with 16-bit compute: some fp32 activations it saves are kept in 16 bits
-        # (saved16.py). Off by default: nothing is installed.
+        # (casting/saved16.py). Off by default: nothing is installed.
         self._packs_saved = self.recipe.saved is not Saved.FP32 and (
             self.recipe.compute.is_low or any(p.is_low for _, p in self.recipe.modules))
         # Whether the first backward still has to look for a compiled region, where saved= does not apply.
@@ -190,7 +190,7 @@ class MixedPrecision:
         self._scaled = not isinstance(self.loss_scale, NoLossScale)    # S may differ from 1
         self._clip_multiplier: torch.Tensor | None = None    # unscale_and_clip's clip / S, per step
         if self._layer_scale:
-            self.loss_scale.attach(self)     # scale=per-layer: hooks on each layer (layer_scale.py)
+            self.loss_scale.attach(self)     # scale=per-layer: hooks on each layer (loss_scale/per_layer.py)
         self._grad_norm = GradNorm()     # the chunked pure step's norm: 16-bit gradients, no fp32 copies
         self._nonfinite = None
         self._overflow_check: tuple | None = None    # (found_inf, scale, traced ops) of the last step
@@ -234,7 +234,7 @@ class MixedPrecision:
         torch.autocast does the per-op casting for fp16/bf16 compute; a recipe's op-list edits that
         differ from autocast's lists are applied on top (``oplists.OpListMode``). The ``fp32`` and
         ``tf32`` recipes set torch's (global) TF32 switches for the forward and restore them on exit;
-        the others leave them as the user set them, as torch.autocast does (``tf32.py``).
+        the others leave them as the user set them, as torch.autocast does (``casting/tf32.py``).
 
         Where the engine adds nothing to torch.autocast (no op-list edits, TF32 switches, NaN tracing
         or 16-bit saves: decided at construction), the context is torch.autocast itself, as in
@@ -254,7 +254,7 @@ class MixedPrecision:
 
     @contextlib.contextmanager
     def _autocast_with_extras(self) -> Iterator[None]:
-        # Inside a function torch.compile traces, the graph decides what it saves (saved16.py): the
+        # Inside a function torch.compile traces, the graph decides what it saves (casting/saved16.py): the
         # saved_tensors_hooks would only break the graph.
         packs = self._packs_saved and torch.is_grad_enabled() and not torch.compiler.is_compiling()
         with torch.autocast(self.device.type, dtype=self._compute_dtype, enabled=self._autocast_on), \
@@ -263,7 +263,7 @@ class MixedPrecision:
                 (self._nonfinite.tracing() if self._nonfinite and torch.is_grad_enabled()
                  else contextlib.nullcontext()), \
                 (SavedPacker(self.recipe.saved) if packs
-                 else contextlib.nullcontext()):     # fp32 saves kept in 16 bits (saved16.py)
+                 else contextlib.nullcontext()):     # fp32 saves kept in 16 bits (casting/saved16.py)
             yield
 
     # ----------------------------------------------------------------- backward
@@ -290,7 +290,7 @@ class MixedPrecision:
 
     def _fp32_precision(self) -> contextlib.AbstractContextManager:
         """TF32 on (``tf32``) or off (``fp32``) for this recipe's forward or backward; for the others
-        nothing (``tf32.py``). Not inside a function torch.compile traces: dynamo cannot read the
+        nothing (``casting/tf32.py``). Not inside a function torch.compile traces: dynamo cannot read the
         switches there, and the compiled code runs under those set where it is called."""
         compute = self.recipe.compute
         if (compute is Precision.FP32 or compute is Precision.TF32) and not torch.compiler.is_compiling():
@@ -386,14 +386,14 @@ class MixedPrecision:
         """Run every later ``step()`` as one ``torch.compile`` graph; returns the engine.
 
         The norm, clip, overflow check, fused optimizer step and loss-scale update compile together
-        (``mixprec.step_compile``): no host sync, and with ``mode="reduce-overhead"`` CUDA-graph
+        (``mixprec.step.compiled``): no host sync, and with ``mode="reduce-overhead"`` CUDA-graph
         replays. With the model compiled in that mode too, keep ``zero_grad()``'s default
         (``set_to_none=True``) and call ``torch.compiler.cudagraph_mark_step_begin()`` before each
         step's forward, as torch asks of any such loop: kept gradients would be outputs of the model's
         CUDA graph that its next replay overwrites. ``options`` go to ``torch.compile``. Needs an
         optimizer built with ``fused=True`` (Adam, AdamW, SGD).
         """
-        from .step_compile import CompiledStep
+        from .step.compiled import CompiledStep
         self._compiled_step = CompiledStep(self, options)
         return self
 

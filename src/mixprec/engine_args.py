@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .grad_sync import GroupChoice
+from .step.grad_sync import GroupChoice
 
 __all__ = ["check_arguments"]
 

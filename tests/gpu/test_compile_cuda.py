@@ -77,7 +77,7 @@ def test_every_recipe_compiles_whole_on_cuda_and_trains_as_in_eager(recipe):
 def test_every_recipe_captures_its_step_in_cuda_graphs_without_a_host_sync(recipe):
     # issue 36: the captured step for host-bound GPUs (fp16 first, then the others): fp32 masters
     # filled and rounded around the graph, fp8 layers in the forward. bf16-sr/kahan rebuild their
-    # transient copies each step (new addresses): not captured with reduce-overhead (step_compile.py).
+    # transient copies each step (new addresses): not captured with reduce-overhead (step/compiled.py).
     if recipe == "fp8" and not probe_scaled_mm("cuda").ok:
         pytest.skip("no fp8 matmuls on this GPU")
     torch.manual_seed(0)

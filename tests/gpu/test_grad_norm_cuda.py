@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.grad_norm import GradNorm
+from mixprec.step.grad_norm import GradNorm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.oplists import OpListMode, OpPolicy, autocast_op_lists, op_list_mode
+from mixprec.casting.oplists import OpListMode, OpPolicy, autocast_op_lists, op_list_mode
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.usage_checks import SKIP_WARNING_AFTER
+from mixprec.guards.usage import SKIP_WARNING_AFTER
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible")]

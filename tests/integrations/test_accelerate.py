@@ -12,7 +12,7 @@ from accelerate import Accelerator  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.engine  # noqa: E402
-from mixprec.optimizer_step import fused_kernel_optimizer, fused_step_ok  # noqa: E402
+from mixprec.step.optimizer import fused_kernel_optimizer, fused_step_ok  # noqa: E402
 
 STEPS = 6
 POISONED = 2                # this step's loss is inf: the fused kernel must skip it

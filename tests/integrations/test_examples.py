@@ -42,7 +42,7 @@ def test_nanogpt_trains_alike_under_fp32_bf16_and_fp16(capsys):
 def test_hf_trainer_example_trains_with_the_fused_optimizer():
     need("transformers")
     from transformers import LlamaForCausalLM
-    from mixprec.optimizer_step import fused_step_ok
+    from mixprec.step.optimizer import fused_step_ok
     trainer = load("hf_trainer").main(["--steps", "8", "--batch", "4", "--accumulate", "2", "--block", "32",
                                        "--hidden", "32", "--layers", "1"])
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
@@ -64,7 +64,7 @@ def test_lightning_example_accumulates_under_the_recipe_from_the_first_micro_bat
 
 def test_accelerate_example_keeps_the_fused_path():
     need("accelerate")
-    from mixprec.optimizer_step import fused_step_ok
+    from mixprec.step.optimizer import fused_step_ok
     mp, losses, logged = load("accelerate_train").main(["--steps", "30"])
     assert fused_step_ok(mp) and type(mp.optimizer).__name__ == "AcceleratedOptimizer"
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .buffers import cast_buffers
-from .recipe import DEFAULT_FP32_MODULES, Precision, Recipe
+from ..recipe import DEFAULT_FP32_MODULES, Precision, Recipe
 
 __all__ = ["keeps_fp32", "module_precisions", "check_module_patterns", "low_precision_params",
            "cast_model", "cast_floating"]
@@ -175,7 +175,7 @@ def cast_model(model: nn.Module, recipe: Recipe, device_type: str | None = None,
             for p in module.parameters(recurse=False):
                 if cast_params and id(p) in low:
                     p.data = p.data.to(dtype)
-        # Buffers are not weights (no master copy keeps them): each is decided on its own (buffers.py).
+        # Buffers are not weights (no master copy keeps them): each is decided on its own (casting/buffers.py).
         kept = frozenset(n for n, prec in precisions.items() if prec is Precision.FP32)
         cast_buffers(model, dtype, skip=kept)
     if recipe.param.is_low or recipe.compute.is_low:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint_values import (check_compact_moments, check_fp8_values, check_kahan_pairs,
+from .values import (check_compact_moments, check_fp8_values, check_kahan_pairs,
                                 check_moment_values, check_scale_limits)
 
 __all__ = ["check_fits", "check_engine_state", "TOP_KEYS"]
@@ -66,7 +66,7 @@ def check_engine_state(engine: Any, state: Any) -> None:
     """Raise ValueError if ``engine.load_state_dict(state)`` would fail part way or load a misfit."""
     _check_recipe(engine, state)
     own_scale = engine.loss_scale.state_dict()
-    check_kind = getattr(engine.loss_scale, "check_state", None)    # a kind's own rules (layer_scale.py)
+    check_kind = getattr(engine.loss_scale, "check_state", None)    # a kind's own rules (loss_scale/per_layer.py)
     if check_kind is not None and isinstance(state.get("loss_scale"), dict):
         check_kind(state["loss_scale"])
     _check_tensors("loss scale", state.get("loss_scale"), own_scale,
@@ -78,7 +78,7 @@ def check_engine_state(engine: Any, state: Any) -> None:
     if engine.moments is not None:
         check_compact_moments(engine.moments, state.get("moments"))
     if engine.fp8_report is not None:
-        from .fp8.state import fp8_state_dict   # the fp8 package is loaded already when fp8 is on
+        from ..fp8.state import fp8_state_dict   # the fp8 package is loaded already when fp8 is on
         own = fp8_state_dict(engine.model)
         saved = state.get("fp8")
         if not isinstance(saved, dict) or set(saved) != set(own):

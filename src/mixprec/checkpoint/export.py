@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .engine import MixedPrecision
+    from ..engine import MixedPrecision
 
 __all__ = ["fp32_state_dict"]
 

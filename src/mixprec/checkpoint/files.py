@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint_check import check_fits
-from .engine import MixedPrecision
+from .check import check_fits
+from ..engine import MixedPrecision
 
 try:
     import fcntl
@@ -67,7 +67,10 @@ def use_mixprec_read_checkpoint() -> None:
 # torch.load's default (weights_only=True) refuses the header's global by name, at the end of a long message
 # that suggests allowlisting it; allowlisted, it runs, and says how to open the file. It only raises, so
 # allowing it lets nothing else run. Done where mixprec is imported, as the unpickler asks it to be.
-torch.serialization.add_safe_globals([use_mixprec_read_checkpoint])
+# Allowlisted under the name the header spells (files on disk name mixprec.checkpoint, the package that
+# re-exports it), not under this module's.
+torch.serialization.add_safe_globals([(use_mixprec_read_checkpoint,
+                                       "mixprec.checkpoint.use_mixprec_read_checkpoint")])
 
 
 def save_checkpoint(path: str | os.PathLike, engine: MixedPrecision, *, scheduler: Any = None,

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, read_verified
-from .checkpoint_check import TOP_KEYS
-from .recipe import get_recipe
+from .files import CheckpointError, read_verified
+from .check import TOP_KEYS
+from ..recipe import get_recipe
 
 __all__ = ["read_checkpoint", "CheckpointInfo", "TensorGroup"]
 

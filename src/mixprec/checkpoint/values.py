@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .recipe.moments import FP8_BLOCK, Moments
+from ..recipe.moments import FP8_BLOCK, Moments
 
 __all__ = ["check_moment_values", "check_scale_limits", "check_fp8_values", "check_compact_moments",
            "check_kahan_pairs"]

@@ -9,10 +9,12 @@ miss the tensor cores, which op ran in which dtype. Built on the engine; the eng
 - ``trace_matmuls``: GEMMs whose shapes miss the tensor cores, and the padding that fixes them.
 - ``trace_ops``: which aten op ran in which dtype, per module.
 - ``NonfiniteTracer``/``NonfiniteOrigin`` (the engine's ``trace_nonfinite=True``) are re-exported
-  from ``mixprec.nonfinite``, where the engine hosts them.
+  from ``mixprec.guards.nonfinite``, where the engine hosts them.
+
+May import: the core; never the lab (it observes runs, the lab drives them).
 """
 
-from ..nonfinite import NonfiniteOrigin, NonfiniteTracer
+from ..guards.nonfinite import NonfiniteOrigin, NonfiniteTracer
 from .memory_report import MemoryReport, memory_report
 from .optrace import OpRecord, OpTrace, trace_ops
 from .range_collector import RangeCollector, RangesResult, update_lost

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..grad_sync import local_shard
+from ..step.grad_sync import local_shard
 
 __all__ = ["MemoryBreakdown", "SavedTensorMeter", "state_bytes", "storage_bytes", "storage_key", "saved_by"]
 
@@ -92,7 +92,7 @@ def _producer(t: torch.Tensor) -> str:
     """The op that made ``t``, as autograd names it without ``Backward0`` (``Addmm``, ``NativeLayerNorm``);
     ``cast`` for a dtype cast and ``cast of a weight`` for autocast's copy of a parameter; ``no grad_fn``
     for a tensor no differentiable op made (data, masks, indices, a norm's mean and rstd). A view
-    counts as the tensor it views. A packed tensor (mixprec.saved16) carries
+    counts as the tensor it views. A packed tensor (mixprec.casting.saved16) carries
     the name of the tensor it stands for."""
     named = getattr(t, "_mixprec_producer", None)
     if named is not None:

@@ -36,10 +36,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..casting import low_precision_params
-from ..compact_adamw import moment_bytes
+from ..casting.model import low_precision_params
+from ..update.compact_adamw import moment_bytes
 from ..engine import MixedPrecision
-from ..master import kept_gradient_bytes
+from ..update.master import kept_gradient_bytes
 from ..model_io import call_model, output_loss
 from ..recipe import Precision, Recipe, get_recipe
 from ..recipe.moments import Moments

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..loss_scale import NoLossScale
+from ..loss_scale.scales import NoLossScale
 from .range_batch import SmallTensorBatch
 from .range_histogram import RangeHistogram, TensorStats
 from .update_loss import UPDATE_FORMATS, UpdateLoss, lost_masks, update_lost

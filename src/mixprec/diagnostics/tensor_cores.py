@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from .kernel_kinds import classify_kernel
-from ..module_scope import ModuleScope
+from ..guards.module_scope import ModuleScope
 from .shadow import meta_copy, meta_like
 
 __all__ = ["MatmulOp", "Fix", "TensorCoreReport", "trace_matmuls", "alignment", "padded_size",

@@ -2,11 +2,13 @@
 checkpoints, and a small process launcher for tests and the lab.
 
 The lockstep itself (one all_reduce of the gradient norm per step, so every rank skips, clips and
-updates its loss scale alike) is the engine's own, in ``mixprec.grad_sync``; ``GradSync``,
+updates its loss scale alike) is the engine's own, in ``mixprec.step.grad_sync``; ``GradSync``,
 ``SyncKind`` and ``local_shard`` (this rank's piece of a sharded tensor) are re-exported here.
+
+May import: the core; never the lab.
 """
 
-from ..grad_sync import GradSync, SyncKind, local_shard
+from ..step.grad_sync import GradSync, SyncKind, local_shard
 from .checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from .parallel import COMM_DTYPES, fsdp_policy, shard_model, wrap_ddp
 from .spawn import default_backend, free_port, run_processes

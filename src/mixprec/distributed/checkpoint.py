@@ -26,10 +26,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..checkpoint import (CheckpointError, _rng_state, _set_rng_state, load_checkpoint, read_verified,
+from ..checkpoint.files import (CheckpointError, _rng_state, _set_rng_state, load_checkpoint, read_verified,
                          save_checkpoint, write_verified)
-from ..checkpoint_check import check_engine_state
-from ..grad_sync import SyncKind
+from ..checkpoint.check import check_engine_state
+from ..step.grad_sync import SyncKind
 from ..engine import MixedPrecision
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint"]

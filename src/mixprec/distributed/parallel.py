@@ -1,7 +1,7 @@
 """Preparing a model for several processes: FSDP2 sharding with the recipe's policy, and DDP.
 
 The lockstep itself (one all_reduce of the gradient norm, shared skips) is the engine's, in
-``mixprec.grad_sync``; here the model is sharded or wrapped so that the engine can find it.
+``mixprec.step.grad_sync``; here the model is sharded or wrapped so that the engine can find it.
 
     >>> mesh = init_device_mesh("cpu", (world,))              # doctest: +SKIP
     >>> model = shard_model(model, "bf16-pure", mesh=mesh)     # doctest: +SKIP
@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..casting import keeps_fp32
+from ..casting.model import keeps_fp32
 from ..fp8.fsdp_weight import Fp8GatherScales, prepare_fp8_gather
 from ..fp8.swap import resolve_backend, swap_to_fp8
-from ..grad_sync import _FSDP_RECIPE_ATTR, GradSync, SyncKind, _check_fsdp_recipe
+from ..step.grad_sync import _FSDP_RECIPE_ATTR, GradSync, SyncKind, _check_fsdp_recipe
 from ..recipe import Recipe, Rounding, get_recipe
 
 __all__ = ["fsdp_policy", "shard_model", "wrap_ddp", "COMM_DTYPES"]

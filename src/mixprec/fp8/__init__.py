@@ -7,6 +7,9 @@ recipe, ``Fp8Config``, lives with the recipes (``mixprec.recipe.fp8``) and is re
 
 The engine swaps layers when a recipe has ``fp8=...``; these names are for users who want the layer,
 the scales or the report on their own.
+
+May import: ``formats``, ``fusion``, ``recipe``, ``devices`` and ``update.stochastic_rounding``; the engine
+swaps its layers in, never the other way round.
 """
 
 from ..recipe.fp8 import Fp8Config, Fp8Scaling

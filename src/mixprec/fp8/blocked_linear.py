@@ -48,7 +48,7 @@ import torch
 
 from ..formats import FP4_E2M1, FP8_E4M3, Format
 from ..recipe.fp8 import Fp8Config, Fp8Scaling
-from ..stochastic_rounding import _mix32
+from ..update.stochastic_rounding import _mix32
 from .blockscale import BlockScaling, dequantize_blocked, quantize_blocked, random_hadamard, range_counts
 from .matmul import scaled_mm
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import FP4_E2M1, FP8_E4M3, FP8_E5M2, Format
-from ..stochastic_rounding import RoundingNoise
+from ..update.stochastic_rounding import RoundingNoise
 
 __all__ = ["BlockScaling", "quantize_blocked", "dequantize_blocked", "fake_quantize_blocked",
            "random_hadamard", "range_counts", "rounding_noise", "SCALE_KINDS", "SR_NOISE_BITS"]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .formats import get_format
+from ..formats import get_format
 from .module_scope import ModuleScope
 
 __all__ = ["NonfiniteTracer", "NonfiniteOrigin", "TensorRange", "first_nonfinite"]

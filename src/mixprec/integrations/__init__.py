@@ -9,4 +9,6 @@
 
 This package imports none of them: ``import mixprec`` never imports transformers or lightning.
 Accelerate needs no integration: build the engine on the prepared model and optimizer (docs/integrations.md).
+
+May import: the core; nothing in mixprec imports this package.
 """

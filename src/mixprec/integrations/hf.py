@@ -25,7 +25,7 @@ with ``accelerator.clip_grad_norm_`` and calls ``optimizer.step()`` itself, and 
 - **checkpoints**: each checkpoint folder gets ``mixprec.pt`` (loss scale, master weights, fp8 scale
   histories), and ``resume_from_checkpoint`` restores it, so a resumed run continues bit for bit.
 - **export**: ``save_model``/``save_pretrained`` through the trainer write fp32 weights, the master
-  copies under pure recipes (``mixprec.export.fp32_state_dict``), never the bf16/fp16 rounding.
+  copies under pure recipes (``mixprec.checkpoint.export.fp32_state_dict``), never the bf16/fp16 rounding.
 - **the loss**: a causal LM's own loss (``ForCausalLMLoss``) upcasts the logits and lets
   ``F.cross_entropy`` save fp32 log-probabilities: 4 bytes per token per vocabulary entry (Llama 3, 128k
   vocabulary, 8 x 4096 tokens: 16.8 GB). The trainer sets ``model.loss_function`` to
@@ -50,9 +50,9 @@ except ImportError as exc:   # pragma: no cover - exercised where transformers i
     raise ImportError("mixprec.integrations.hf needs Hugging Face transformers: "
                       "pip install 'mixprec[hf]'") from exc
 
-from ..chunked_loss import cross_entropy
+from ..casting.chunked_loss import cross_entropy
 from ..engine import MixedPrecision, StepResult
-from ..export import fp32_state_dict
+from ..checkpoint.export import fp32_state_dict
 from ..recipe import Recipe, get_recipe
 
 __all__ = ["MixedPrecisionTrainer", "save_pretrained_fp32", "ENGINE_STATE_NAME", "causal_lm_loss",

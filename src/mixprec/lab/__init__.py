@@ -2,6 +2,8 @@
 
 Its dependencies are the ``mixprec[lab]`` extra. ``main`` is the ``mixprec`` command: without the
 extra it says what to install (one line, exit 2) instead of failing inside an import.
+
+May import: everything in mixprec; nothing outside the lab imports it.
 """
 
 import importlib.util as _util

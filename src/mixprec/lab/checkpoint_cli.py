@@ -13,8 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..checkpoint import CheckpointError
-from ..checkpoint_read import read_checkpoint
+from ..checkpoint.files import CheckpointError
+from ..checkpoint.read import read_checkpoint
 from .cli_args import UsageError
 
 __all__ = ["add_parser", "handle"]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..casting import check_module_patterns
+from ..casting.model import check_module_patterns
 from ..devices import resolve_device
 from ..diagnostics.memory import MemoryBreakdown, SavedTensorMeter, state_bytes
 from ..distributed.parallel import shard_model, wrap_ddp

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from ..chunked_loss import cross_entropy as chunked_cross_entropy
+from ..casting.chunked_loss import cross_entropy as chunked_cross_entropy
 
 __all__ = ["Split", "Workload", "accuracy", "cross_entropy", "mean_cross_entropy"]
 

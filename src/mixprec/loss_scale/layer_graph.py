@@ -1,4 +1,4 @@
-"""The layers of per-layer loss scaling (``layer_scale.py``), and the proof that a model's graph suits them.
+"""The layers of per-layer loss scaling (``loss_scale/per_layer.py``), and the proof that a model's graph suits them.
 
 A *layer* is a module that owns trainable parameters directly and has no descendant that does; modules
 sharing a parameter (a tied embedding and head) form one. ``find_layers`` lists them; ``check_graph``

@@ -59,13 +59,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .grad_sync import SyncKind
+from ..step.grad_sync import SyncKind
 from .layer_graph import Layer, OutputsFeedEachOther, check_graph, find_layers, made_at, map_tensors, tensors_in
-from .loss_scale import DynamicLossScale
-from .recipe import LossScaleConfig, LossScaleKind
+from .scales import DynamicLossScale
+from ..recipe import LossScaleConfig, LossScaleKind
 
 if TYPE_CHECKING:
-    from .engine import MixedPrecision
+    from ..engine import MixedPrecision
 
 __all__ = ["LayerLossScale", "MAX_FACTOR"]
 

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .fusion import FusedFunction
-from .recipe import LossScaleConfig, LossScaleKind
+from ..fusion import FusedFunction
+from ..recipe import LossScaleConfig, LossScaleKind
 
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale",
            "ScaleInBackward"]
@@ -230,7 +230,7 @@ def make_loss_scale(config: LossScaleConfig, device: torch.device | str) -> Loss
     if config.kind == "static":
         return StaticLossScale(config.init, device)
     if config.kind == "per-layer":
-        from .layer_scale import LayerLossScale    # it builds on DynamicLossScale: imported here, not above
+        from .per_layer import LayerLossScale    # it builds on DynamicLossScale: imported here, not above
         return LayerLossScale(config, device)     # the engine attaches it to the model (its hooks)
     return DynamicLossScale(config, device)
 

@@ -23,11 +23,11 @@ from collections.abc import Iterable
 import torch
 
 from ..formats import FORMATS, Format
-from ..oplists import OpPolicy, check_op_names
+from ..casting.oplists import OpPolicy, check_op_names
 from .fp8 import Fp8Config
 from .scale import LossScaleConfig, LossScaleKind
 from .moments import Moments
-from ..saved16 import Saved
+from ..casting.saved16 import Saved
 
 __all__ = [
     "Precision", "Rounding", "LossScaleConfig", "Recipe", "RECIPES", "get_recipe", "parse_recipe",
@@ -79,7 +79,7 @@ class Rounding(enum.Enum):
 
     NEAREST = "nearest"
     STOCHASTIC = "stochastic"   # unbiased: E[round(x)] == x, so small updates survive on average
-    KAHAN = "kahan"             # nearest, the rounding error kept in a 16-bit compensation (kahan.py)
+    KAHAN = "kahan"             # nearest, the rounding error kept in a 16-bit compensation (update/kahan.py)
 
 
 
@@ -126,7 +126,7 @@ class Recipe:
     modules: tuple[tuple[str, Precision], ...] = ()
     fp8: Fp8Config | None = None   # fp8 matmuls in eligible nn.Linear layers (recipe/fp8.py)
     moments: Moments = Moments.FP32  # Adam's moments: fp32 (the user's optimizer) or compact (recipe/moments.py)
-    saved: Saved = Saved.FP32      # which fp32 activations autograd saves are kept in 16 bits (saved16.py); none by default
+    saved: Saved = Saved.FP32      # which fp32 activations autograd saves are kept in 16 bits (casting/saved16.py); none by default
 
     def __init__(self, param: Precision = Precision.FP32, compute: Precision = Precision.FP32,
                  master: Precision | None = None, loss_scale: LossScaleConfig | None = None,
@@ -274,7 +274,7 @@ RECIPES: dict[str, Recipe] = {
                         loss_scale=_FP16_DYNAMIC),
     "bf16-pure": Recipe(param=Precision.BF16, compute=Precision.BF16, master=Precision.FP32),
     "bf16-sr": Recipe(param=Precision.BF16, compute=Precision.BF16, rounding=Rounding.STOCHASTIC),
-    # bf16 weights + int16 compensations: the fp32 value exactly, at 4 B/param (kahan.py).
+    # bf16 weights + int16 compensations: the fp32 value exactly, at 4 B/param (update/kahan.py).
     "bf16-kahan": Recipe(param=Precision.BF16, compute=Precision.BF16, rounding=Rounding.KAHAN),
     # fp8 on top of bf16 autocast: eligible linears in fp8, the rest (norms, softmax, loss) as bf16.
     "fp8": Recipe(compute=Precision.BF16, fp8=Fp8Config()),
@@ -368,7 +368,7 @@ def parse_recipe(text: str) -> Recipe:
 
 
 def _moments_field(fields: dict[str, str]) -> dict:
-    """``moments`` (recipe/moments.py) and ``saved`` (saved16.py) from their words, when given."""
+    """``moments`` (recipe/moments.py) and ``saved`` (casting/saved16.py) from their words, when given."""
     out: dict = {"moments": Moments.parse(fields["moments"])} if "moments" in fields else {}
     if "saved" in fields:
         out["saved"] = Saved.parse(fields["saved"])

@@ -2,7 +2,7 @@
 
 ``scale=none``, ``scale=static:V`` and ``scale=dynamic(init=,growth=,backoff=,growth_interval=,
 hysteresis=,floor=,ceiling=)``; ``scale=per-layer(...)`` takes the same options (the dynamic S, times one
-factor per layer: ``layer_scale.py``). ``str()`` prints the shortest exact text back (powers of two as 2**k)::
+factor per layer: ``loss_scale/per_layer.py``). ``str()`` prints the shortest exact text back (powers of two as 2**k)::
 
     >>> str(LossScaleConfig.parse("dynamic(hysteresis=2)"))
     'dynamic(hysteresis=2)'
@@ -28,7 +28,7 @@ class LossScaleKind(str, enum.Enum):
     NONE = "none"
     STATIC = "static"
     DYNAMIC = "dynamic"
-    PER_LAYER = "per-layer"     # the dynamic S times a power-of-two factor per layer (layer_scale.py)
+    PER_LAYER = "per-layer"     # the dynamic S times a power-of-two factor per layer (loss_scale/per_layer.py)
 
 
 _STATIC_MAX = 2.0**24
@@ -39,7 +39,7 @@ _STATIC_MAX = 2.0**24
 # Scales below 1 are legitimate (they shrink gradients whose backward overflows fp16), but never that far.
 # It also keeps every scale far above fp32's subnormals (< 2**-126), where the stored S would be 0 or lossy.
 _SCALE_MIN = 2.0**-24
-# growth_interval and hysteresis are counted on the device in int32 tensors (loss_scale.py's
+# growth_interval and hysteresis are counted on the device in int32 tensors (loss_scale/scales.py's
 # clean_steps and hysteresis_left): a larger value overflows them.
 _INT32_MAX = 2**31 - 1
 _FLOAT_FIELDS = ("init", "growth", "backoff", "floor", "ceiling")
@@ -63,7 +63,7 @@ class LossScaleConfig:
     ``init``; on an overflow skip the step and, after ``hysteresis`` overflows without a growth in
     between, multiply by ``backoff``; after ``growth_interval`` clean steps in a row multiply by
     ``growth``; never leave ``[floor, ceiling]``) or ``"per-layer"`` (that dynamic S, and inside each layer
-    a power-of-two factor of its own on top: ``mixprec.layer_scale``).
+    a power-of-two factor of its own on top: ``mixprec.loss_scale.per_layer``).
 
     Values are checked as the device will hold them: a scale (``init``, ``floor``, ``ceiling``) must be
     finite in fp32 and at least 2**-24 (below it fp16 flushes every gradient under 1 to zero);
@@ -89,7 +89,7 @@ class LossScaleConfig:
             raise ValueError(f"unknown loss scale {self.kind!r}; valid values: "
                              f"{', '.join(k.value for k in LossScaleKind)}")
         self._check_types()
-        # The scale lives in an fp32 device tensor (loss_scale.py): check each value as fp32 holds it,
+        # The scale lives in an fp32 device tensor (loss_scale/scales.py): check each value as fp32 holds it,
         # not as the float64 it arrived in (1e-50 is a fine float64 and 0 in fp32).
         init_f32 = _f32(self.init)
         if not (math.isfinite(init_f32) and init_f32 >= _SCALE_MIN):

@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .optimizer_step import divides, unscale_and_clip
+from .optimizer import divides, unscale_and_clip
 
 if TYPE_CHECKING:
-    from .engine import MixedPrecision
+    from ..engine import MixedPrecision
 
 __all__ = ["CompiledStep"]
 

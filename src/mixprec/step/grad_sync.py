@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .recipe import Recipe, Rounding
+from ..recipe import Recipe, Rounding
 
 __all__ = ["GradSync", "SyncKind", "GroupChoice", "local_shard"]
 

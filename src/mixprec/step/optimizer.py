@@ -27,7 +27,7 @@ import torch
 from .grad_norm import global_norm_f32
 
 if TYPE_CHECKING:
-    from .engine import MixedPrecision
+    from ..engine import MixedPrecision
 
 __all__ = ["unscale_and_clip", "nonfinite", "divides", "fused_step_ok", "fused_optimizer_step",
            "host_fused_optimizer_step", "generic_optimizer_step", "skip_optimizer_step",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from .engine import MixedPrecision
+    from ..engine import MixedPrecision
 
 __all__ = ["StepObserver", "StepResult"]
 

@@ -1,10 +1,10 @@
 """Views of a flat fp32 buffer's bit pattern, made once for a buffer the step reuses.
 
 bf16 is the high 16 bits of an fp32. Stochastic rounding (``stochastic_rounding.stochastic_round_bf16_``)
-and Kahan's split and join (``kahan.py``) work on a chunk's fp32 weights as integers and read the
+and Kahan's split and join (``update/kahan.py``) work on a chunk's fp32 weights as integers and read the
 rounded bf16 weights where they lie, the high halves. Each such pass needs the buffer viewed as int32,
 as bf16 high halves and as int16 low halves: two view ops apiece, and Kahan's passes also need a few
-integer constants as operands (0-d tensors of the views' dtypes: ``operands.py`` says why). A small
+integer constants as operands (0-d tensors of the views' dtypes: ``update/operands.py`` says why). A small
 model's step reuses one buffer (``master.MasterWeights._transient_layout``), so its views and constants
 are made once and kept with it; a buffer made for one step gets fresh views.
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .stochastic_rounding import stochastic_round_bf16
-from .recipe.moments import FP8_BLOCK, Moments
+from ..recipe.moments import FP8_BLOCK, Moments
 
 __all__ = ["CompactAdamW", "encode_moment", "decode_moment", "moment_bytes"]
 

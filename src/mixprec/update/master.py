@@ -13,7 +13,7 @@ Two lifetimes, one mechanism:
   state stays fp32; no master copy is held.
 - ``keep=False, rounding=KAHAN`` (bf16-kahan): the transient copy is the bf16 weight joined with a
   16-bit compensation kept per weight, and split back into the two after the step: the fp32 value
-  exactly, at 2 + 2 B/param (``kahan.py``).
+  exactly, at 2 + 2 B/param (``update/kahan.py``).
 
 No fp32 gradient is held between steps (the usual 16 B/param with Adam: 2 weights + 2 gradients + 4
 master + 8 moments; a small model's few MiB aside, below). ``step`` walks the optimizer's tensors in
@@ -75,7 +75,7 @@ from torch import nn
 
 from .bit_views import Fp32Bits
 from .kahan import KahanCompensation
-from .recipe import Rounding
+from ..recipe import Rounding
 from .stochastic_rounding import RoundingNoise, run_fill_plan, stochastic_round_bf16_
 
 __all__ = ["MasterWeights", "DEFAULT_CHUNK_BYTES", "kept_gradient_bytes"]

@@ -35,7 +35,7 @@ from ...fp8.stats import count_fp8_ranges, fp8_layer_stats
 from ...diagnostics.range_collector import RangeCollector, select_modules
 from ...diagnostics.scale_window import MARGIN, SMALL_FRACTION, scale_window
 from ...engine import MixedPrecision
-from ...loss_scale import NoLossScale
+from ...loss_scale.scales import NoLossScale
 from ...recipe import RECIPES, Recipe, get_recipe
 from .report import DoctorReport
 from .grad_snr import gradient_snr, with_grad_snr

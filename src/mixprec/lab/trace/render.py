@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from ...diagnostics.optrace import OpTrace
-from ...oplists import op_list_mode
+from ...casting.oplists import op_list_mode
 from ...recipe import Recipe, get_recipe
 
 __all__ = ["render_trace"]

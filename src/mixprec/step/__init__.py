@@ -1,0 +1,9 @@
+"""The pieces of ``mp.step()`` below the engine.
+
+The step's middle (``optimizer.py``: one norm for the overflow check and the clip, then the fused or
+generic optimizer call), the global gradient norm (``grad_norm.py``), the lockstep across ranks
+(``grad_sync.py``), the step compiled as one graph (``compiled.py``: ``mp.compile_step()``), and what one
+step did (``result.py``: ``StepResult`` and the ``StepObserver`` protocol).
+
+May import: ``fusion``, ``recipe``, and its own modules; the engine only for type annotations.
+"""
