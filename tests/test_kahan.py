@@ -230,18 +230,21 @@ def test_a_weight_zeroed_outside_the_step_does_not_join_into_a_nan():
 def test_the_join_of_a_finite_weight_is_finite_whatever_the_compensation():
     # Every bf16 pattern x every 16th compensation: a zero with c < 0 (no split makes it) joins to
     # +0.0, every other pair to (w << 16) + c exactly, so a finite weight never joins into a NaN/inf.
-    w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    # The 2**28 pairs are joined 2**11 weight patterns at a time (a whole pass at once peaked at 14 GB
+    # of temporaries); every pair is still checked.
     c = torch.arange(-32768, 32768, 16, dtype=torch.int32).to(torch.int16)
-    wf = w.repeat_interleave(c.numel()).float()
-    comp = c.repeat(w.numel())
-    joined = wf.clone()
-    add_compensation_(joined, comp, [[0, 0, joined.numel()]])
-    expect = wf.view(torch.int32).long() + comp.long()
-    zero = (wf == 0) & (comp < 0)
-    assert torch.equal(joined.view(torch.int32).long()[~zero], ((expect + 2**31) % 2**32 - 2**31)[~zero])
-    assert (joined.view(torch.int32)[zero] == 0).all()
-    finite = torch.isfinite(wf.bfloat16()) & torch.isfinite(wf)
-    assert torch.isfinite(joined[finite]).all()
+    for start in range(-32768, 32768, 2048):
+        w = torch.arange(start, start + 2048, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        wf = w.repeat_interleave(c.numel()).float()
+        comp = c.repeat(w.numel())
+        joined = wf.clone()
+        add_compensation_(joined, comp, [[0, 0, joined.numel()]])
+        expect = wf.view(torch.int32).long() + comp.long()
+        zero = (wf == 0) & (comp < 0)
+        assert torch.equal(joined.view(torch.int32).long()[~zero], ((expect + 2**31) % 2**32 - 2**31)[~zero])
+        assert (joined.view(torch.int32)[zero] == 0).all()
+        finite = torch.isfinite(wf.bfloat16()) & torch.isfinite(wf)
+        assert torch.isfinite(joined[finite]).all()
 
 
 def test_a_weight_zeroed_through_data_does_not_join_into_a_nan():
