@@ -18,11 +18,15 @@ KEEP_TORCH = $(PY) -c "import torch; print('torch==' + torch.__version__.split('
 compare: $(STAMP)
 	$(VENV)/bin/mixprec compare --device cpu --threads 1
 
+# The suite runs on one worker per core (pytest-xdist), at most 4: each worker imports torch and its
+# own copies of the shared models, so more workers buy little time for much memory.
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses 4
+
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: $(TEST_STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py

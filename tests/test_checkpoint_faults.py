@@ -317,7 +317,7 @@ def test_weights_only_hint_comes_first_and_short(tmp_path):
     path = save_checkpoint(tmp_path / "ck.pt", mp, extra={"obj": Custom()})
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path, mp)
-    message = str(info.value)
+    message = str(info.value).replace(str(path), "PATH")     # the hint's place, whatever tmp_path's length
     assert "weights_only=False" in message[:200] and "\x1b" not in message and len(message) < 500
     assert load_checkpoint(path, mp, weights_only=False)["obj"].__class__ is Custom
 

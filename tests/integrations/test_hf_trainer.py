@@ -50,7 +50,7 @@ def test_grad_norm_logged_is_the_unscaled_one_and_clipping_acts_on_it(runs):
     assert _logs(pure, "loss_scale")[-1] == 65536.0 and _logs(pure, "skipped_steps")[-1] == 0
     assert _logs(pure, "loss") == pytest.approx(_logs(ref, "loss"), rel=5e-3)
     start, _, _ = hf_tiny.llama()
-    masters = {id(p): m for p, m in zip(pure.mixprec.update.master.model_params, pure.mixprec.update.master.masters)}
+    masters = {id(p): m for p, m in zip(pure.mixprec.master.model_params, pure.mixprec.master.masters)}
     for (name, p_ref), p_start, p in zip(ref.model.named_parameters(), start.parameters(),
                                          pure.model.parameters()):
         moved = (p_ref.detach() - p_start).norm()
@@ -76,7 +76,7 @@ def test_checkpoint_resumes_bit_for_bit_and_exports_fp32(tmp_path):
     resumed = _trainer(tmp_path / "a", "fp16-pure", resume=str(tmp_path / "a" / "checkpoint-3"))
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
-    for m, n in zip(straight.mixprec.update.master.masters, resumed.mixprec.update.master.masters):
+    for m, n in zip(straight.mixprec.master.masters, resumed.mixprec.master.masters):
         assert torch.equal(m, n)
     assert _logs(resumed, "loss")[-1] == _logs(straight, "loss")[-1]
     ckpt = tmp_path / "a" / "checkpoint-6"
@@ -84,7 +84,7 @@ def test_checkpoint_resumes_bit_for_bit_and_exports_fp32(tmp_path):
     # save_pretrained wrote the fp32 masters, not the fp16 weights the model holds.
     loaded = LlamaForCausalLM.from_pretrained(str(ckpt))
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
-    low = {id(p): m for p, m in zip(straight.mixprec.update.master.model_params, straight.mixprec.update.master.masters)}
+    low = {id(p): m for p, m in zip(straight.mixprec.master.model_params, straight.mixprec.master.masters)}
     for (name, p), q in zip(straight.model.named_parameters(), loaded.parameters()):
         if id(p) in low:
             assert p.dtype == torch.float16 and torch.equal(q, low[id(p)]), name
