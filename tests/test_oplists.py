@@ -178,6 +178,7 @@ def library_ops():
     cast to fp32) and ``opaque`` (no fake kernel, and a ``Device`` argument the probe cannot make up, so
     the probe cannot call it).
     The probe caches are cleared around the test and the ops dropped after it."""
+    import mixprec.casting.oplist_probe as oplist_probe
     import mixprec.casting.oplists as oplists
     lib = torch.library.Library("mixprec_test", "FRAGMENT")
     for name, body in (("scaled", lambda x: x * 2), ("bmm", lambda x: x + 1), ("opaque", lambda x, d: x.to(d))):
@@ -186,10 +187,10 @@ def library_ops():
         torch.library.register_autocast(f"mixprec_test::{name}", "cpu", torch.float32, lib=lib)
     for name in ("scaled", "bmm"):
         torch.library.register_fake(f"mixprec_test::{name}", lambda x: torch.empty_like(x), lib=lib)
-    oplists.autocast_op_lists.cache_clear(), oplists._probed.cache_clear()
+    oplists.autocast_op_lists.cache_clear(), oplist_probe.probed_policies.cache_clear()
     yield
     lib._destroy()
-    oplists.autocast_op_lists.cache_clear(), oplists._probed.cache_clear()
+    oplists.autocast_op_lists.cache_clear(), oplist_probe.probed_policies.cache_clear()
 
 
 def test_ops_outside_aten_are_probed_under_their_qualified_name_or_named_with_a_reason(library_ops):
@@ -219,9 +220,10 @@ def test_torchvision_ops_registered_for_autocast_are_listed_or_named():
                   if op.startswith("torchvision::")}
     if not registered:
         pytest.skip(f"torchvision {torchvision.__version__} registered no CPU autocast ops here")
+    import mixprec.casting.oplist_probe as oplist_probe
     import mixprec.casting.oplists as oplists
-    oplists.autocast_op_lists.cache_clear(), oplists._probed.cache_clear()
+    oplists.autocast_op_lists.cache_clear(), oplist_probe.probed_policies.cache_clear()
     lists = autocast_op_lists("cpu", LOW)
     listed = {n for n in lists.low | lists.fp32 | lists.follow if n.startswith("torchvision::")}
     for op in registered:
-        assert oplists._list_name(op) in listed or op in lists.unprobed, op
+        assert oplist_probe.list_name(op) in listed or op in lists.unprobed, op
