@@ -368,7 +368,8 @@ def test_no_recipe_is_advised_for_a_model_whose_layers_the_fp8_swap_cannot_take(
     assert "'0' (7, 33): pad to (16, 48)" in lines[-1] and "'2' (5, 7): pad to (16, 16)" in lines[-1]
     assert "but no fp8 recipe can take this layer" in next(line for line in lines if "what-if '0'" in line)
     # The swap agrees: it takes neither layer, for the reason the what-if gives.
-    from mixprec.fp8.swap import Fp8Reason, swap_to_fp8
+    from mixprec.fp8.swap import swap_to_fp8
+    from mixprec.fp8.swap_report import Fp8Reason
     swap = swap_to_fp8(nn.Sequential(nn.Linear(33, 7), nn.ReLU(), nn.Linear(7, 5)), Fp8Config(),
                        backend="emulate")
     assert [d.reason for d in swap.layers] == [Fp8Reason.SHAPE, Fp8Reason.SHAPE]

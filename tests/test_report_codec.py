@@ -183,7 +183,7 @@ def test_a_compare_report_from_the_old_writer_reads():
 
 @pytest.mark.parametrize("name", ["doctor-v1.json", "doctor-fp8-v1.json"])
 def test_a_doctor_report_from_the_old_writer_reads(name):
-    from mixprec.fp8.swap import Fp8Reason
+    from mixprec.fp8.swap_report import Fp8Reason
     from mixprec.lab.doctor.report import DoctorReport
     report = _same_as_written(DoctorReport, name)
     assert report.steps == 2 and [(m.name, m.type) for m in report.modules] == [
@@ -252,7 +252,7 @@ def test_inspect_kernel_profiles_round_trip_and_render():
 
 
 def test_an_fp8_swap_report_with_uncovered_weights_round_trips():
-    from mixprec.fp8.swap import Fp8LayerDecision, Fp8Reason, Fp8SwapReport, Fp8UncoveredWeight
+    from mixprec.fp8.swap_report import Fp8LayerDecision, Fp8Reason, Fp8SwapReport, Fp8UncoveredWeight
     report = Fp8SwapReport((Fp8LayerDecision("head", 16, 32, Fp8Reason.SWAPPED),), "emulate", "why",
                            (Fp8UncoveredWeight("experts.w", (4, 32, 32), "3-D, ..."),), 6384)
     assert from_data(Fp8SwapReport, json.loads(json.dumps(to_data(report)))) == report

@@ -39,7 +39,8 @@ from .step.grad_norm import GradNorm
 from .step.grad_sync import GradSync, GroupChoice, SyncKind
 from .checkpoint.export import fp32_state_dict
 from .fp8.state import fp8_state_dict, load_fp8_state_dict
-from .fp8.swap import Fp8SwapReport, check_fp8_patterns, none_swapped_reason, resolve_backends, swap_to_fp8
+from .fp8.swap import check_fp8_patterns, resolve_backends, swap_to_fp8
+from .fp8.swap_report import Fp8SwapReport, none_swapped_reason
 from .loss_scale.per_layer import LayerLossScale
 from .loss_scale.scales import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
 from .update.master import MasterWeights

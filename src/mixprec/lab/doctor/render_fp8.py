@@ -23,7 +23,7 @@ from rich import box
 from rich.table import Table
 
 from ...fp8.stats import Fp8TensorStats
-from ...fp8.swap import Fp8SwapReport
+from ...fp8.swap_report import Fp8SwapReport
 from .render import percent_text
 from .report import DoctorReport
 from ...recipe import RECIPES, Fp8Config, get_recipe

@@ -78,7 +78,7 @@ from typing import ClassVar
 from ...fp8.stats import Fp8LayerStats
 from ...diagnostics.range_collector import ModuleRanges
 from ...diagnostics.scale_window import ScaleWindow, scale_window
-from ...fp8.swap import Fp8SwapReport
+from ...fp8.swap_report import Fp8SwapReport
 from ..codec import JsonReport, Schema, attr
 from .what_if import LayerWhatIf, WhatIfReport
 
