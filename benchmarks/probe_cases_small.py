@@ -87,7 +87,8 @@ for _a, _w in ((1e-30, 2.0**64), (0.0, 1.0), (float("inf"), 1.0), (float("nan"),
 def _what_if_lines(model: nn.Module, k: int) -> tuple[list[str], object]:
     from mixprec.lab.doctor.render_what_if import model_formats, what_if_lines
     from mixprec.lab.doctor.report import DoctorReport
-    from mixprec.lab.doctor.what_if import WhatIfCapture, WhatIfOptions, measure_what_if
+    from mixprec.lab.doctor.what_if import WhatIfCapture, measure_what_if
+    from mixprec.lab.doctor.what_if_report import WhatIfOptions
     torch.manual_seed(1)
     capture = WhatIfCapture(model, max_rows=4096)
     with capture.capturing():

@@ -18,7 +18,7 @@ from mixprec.lab.doctor.grad_snr import SNR_FLOOR, GradSnr, gradient_snr, snr_an
 from mixprec.lab.doctor.render_what_if import grad_snr_line, what_if_lines
 from mixprec.lab.doctor.report import DoctorReport
 from mixprec.lab.doctor.run import plan_doctor, run_doctor
-from mixprec.lab.doctor.what_if import FormatWhatIf, LayerWhatIf, WhatIfOptions, WhatIfReport
+from mixprec.lab.doctor.what_if_report import FormatWhatIf, LayerWhatIf, WhatIfOptions, WhatIfReport
 
 
 def test_snr_and_sign_hand_worked():

@@ -28,15 +28,13 @@ from mixprec.lab.doctor.render_what_if import (
 from mixprec.lab.doctor.report import DoctorReport
 from mixprec.lab.doctor.run import plan_doctor
 from mixprec.lab.doctor.what_if import (
-    FORMATS,
     WhatIfCapture,
-    WhatIfOptions,
-    WhatIfReport,
     format_bits,
     layer_what_if,
     measure_what_if,
     sqnr_db,
 )
+from mixprec.lab.doctor.what_if_report import FORMATS, WhatIfOptions, WhatIfReport
 from mixprec.recipe import RECIPES
 
 OUTLIER = 1e5      # channel 0 of the second layer's input: 2**16.6 above the rest, past e4m3's 2**14.8 normals

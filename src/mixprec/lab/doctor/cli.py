@@ -25,7 +25,7 @@ from .run import DEFAULT_RECIPE, DEFAULT_STEPS, DoctorPlan, plan_doctor, run_doc
 from .render_fp8 import fp8_swap_lines, render_fp8_findings, render_fp8_table
 from .render import render_doctor_table, render_findings
 from .render_what_if import render_what_if_table, what_if_lines
-from .what_if import DEFAULT_FLOOR_DB, DEFAULT_MAX_ROWS, WhatIfOptions
+from .what_if_report import DEFAULT_FLOOR_DB, DEFAULT_MAX_ROWS, WhatIfOptions
 from .report import DoctorReport
 from ..trainer import TrainProgress
 from ..workloads import BENCHMARKS, WORKLOADS

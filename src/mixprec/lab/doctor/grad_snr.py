@@ -36,7 +36,7 @@ from torch import nn
 from ...engine import Fp8EmulationWarning, MixedPrecision
 from ...fp8.experts import expert_projections, is_hf_experts
 from ...loss_scale.scales import NoLossScale
-from .what_if import GRAD_SNR_FLOOR, WhatIfReport
+from .what_if_report import GRAD_SNR_FLOOR, WhatIfReport
 
 __all__ = ["SNR_FLOOR", "GradSnr", "gradient_snr", "snr_and_sign", "with_grad_snr"]
 

@@ -28,7 +28,8 @@ from ...fp8.swap import padded_shape
 from ...recipe import RECIPES
 from .render import percent_text
 from .report import DoctorReport
-from .what_if import FORMATS, GRAD_SNR_FLOOR, FormatWhatIf, WhatIfReport, format_bits
+from .what_if import format_bits
+from .what_if_report import FORMATS, GRAD_SNR_FLOOR, FormatWhatIf, WhatIfReport
 
 __all__ = ["render_what_if_table", "what_if_lines", "grad_snr_line", "what_if_section", "model_formats", "cost_order"]
 

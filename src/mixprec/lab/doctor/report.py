@@ -52,7 +52,7 @@ JSON schema, version 1 (one object; strict JSON: non-finite floats are the strin
                               reason str (e.g. a mixture of experts' 3-D expert weights)
       parameters     int      the model's parameter count (0 in files written before it was added)
     what_if          object|null   ``doctor --what-if`` only (absent in older files: read as null):
-                              per linear layer, what each fp8/fp4 format would do (what_if.py):
+                              per linear layer, what each fp8/fp4 format would do (what_if_report.py):
       floor_db       float    the SQNR floor of the advice;  max_rows int  rows of x and g kept per layer
       step           int      the training step whose x, W, g were captured;  seconds float  its cost
       layers         list     per nn.Linear / HF Conv1D, in model order:
@@ -80,7 +80,7 @@ from ...diagnostics.range_collector import ModuleRanges
 from ...diagnostics.scale_window import ScaleWindow, scale_window
 from ...fp8.swap_report import Fp8SwapReport
 from ..codec import JsonReport, Schema, attr
-from .what_if import LayerWhatIf, WhatIfReport
+from .what_if_report import LayerWhatIf, WhatIfReport
 
 __all__ = ["DoctorReport"]
 

@@ -39,7 +39,8 @@ from ...loss_scale.scales import NoLossScale
 from ...recipe import RECIPES, Recipe, get_recipe
 from .report import DoctorReport
 from .grad_snr import gradient_snr, with_grad_snr
-from .what_if import FORMATS, WhatIfCapture, WhatIfOptions, measure_what_if
+from .what_if import WhatIfCapture, measure_what_if
+from .what_if_report import FORMATS, WhatIfOptions
 from ..trainer import TrainProgress, batch_order, check_recipe_patterns, check_seed, check_steps, resolve_run
 from ..workloads import Workload
 

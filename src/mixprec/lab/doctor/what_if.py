@@ -20,7 +20,8 @@ units: divided by the loss scale). Then, per format, without touching training:
 The formats are the named recipes' (``fp8`` per-tensor current, ``fp8-rowwise``, ``fp8-block``,
 ``mxfp8``, ``nvfp4``), read from ``RECIPES`` and ``blocked_recipe`` rather than restated here. The
 advice per layer is the cheapest format (fewest bits per element, scales included) whose output and
-weight-gradient SQNR both reach ``floor_db`` and that saturates nothing; ``bf16`` when none does::
+weight-gradient SQNR both reach ``floor_db`` and that saturates nothing; ``bf16`` when none does (the
+report's types and the advice: ``what_if_report.py``; this module captures and measures)::
 
     capture = WhatIfCapture(model)
     with capture.capturing():              # one training step: forward and backward
@@ -60,137 +61,15 @@ from ...fp8.blockscale import (
 from ...fp8.conv1d import is_hf_conv1d
 from ...fp8.linear import ROLES
 from ...fp8.scaling import amax_f32, current_scale, quantize_fp8
-from ...fp8.swap import shape_takes_fp8
 from ...recipe import RECIPES
+# The report's names stay importable from here, where they were defined before (what_if_report.py).
+from .what_if_report import (DEFAULT_FLOOR_DB, DEFAULT_MAX_ROWS, FORMATS, GRAD_SNR_FLOOR, ROW_UNIT, FormatWhatIf,
+                             LayerWhatIf, WhatIfOptions, WhatIfReport)
 
 __all__ = ["FORMATS", "DEFAULT_FLOOR_DB", "GRAD_SNR_FLOOR", "DEFAULT_MAX_ROWS", "WhatIfOptions", "FormatWhatIf", "LayerWhatIf",
            "WhatIfReport", "WhatIfCapture", "layer_what_if", "measure_what_if", "sqnr_db", "format_bits"]
 
-FORMATS = ("fp8", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")   # named recipes, per-tensor first
-# The floor, in dB, that both SQNRs must reach: 20 dB, an error carrying 1% of the signal's energy. On
-# normal data per-tensor fp8 gives ~28.5 dB on the output (e4m3 x e4m3) and ~25 dB on the weight gradient
-# (e5m2 gradients), the blocked fp8 formats ~28.5 dB on both, nvfp4 ~16 dB (tests/test_doctor_what_if.py's
-# plain layer). So the floor passes every fp8 format on a well-behaved layer with 5 dB to spare, fails a
-# format that loses 5+ dB more to a layer's outliers, and stops nvfp4 on normal data; the heavier-tailed
-# activations of real models give nvfp4 more (the lab's gpt: 22-30 dB), and it passes there.
-DEFAULT_FLOOR_DB = 20.0
-GRAD_SNR_FLOOR = math.sqrt(3)   # end-to-end gradient SNR below which quantization outweighs the gradient
-DEFAULT_MAX_ROWS = 4096     # rows of x and g per layer: 4 sequences of 1024, 32 of 128
-_ROW_UNIT = 128             # rows are kept in whole 128-blocks (the largest block along M)
 _BF16 = torch.bfloat16
-
-
-@dataclasses.dataclass(frozen=True)
-class WhatIfOptions:
-    """What the doctor's what-if measures: the SQNR floor of its advice, the rows kept per layer."""
-
-    floor_db: float = DEFAULT_FLOOR_DB
-    max_rows: int = DEFAULT_MAX_ROWS
-    grad_snr: bool = True       # also the end-to-end gradient SNR per layer and format (grad_snr.py)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.floor_db, bool) or not isinstance(self.floor_db, (int, float)) \
-                or not math.isfinite(self.floor_db) or self.floor_db < 0:
-            raise ValueError(f"--what-if-floor must be a finite number of dB >= 0 (e.g. 20; below 0 dB the "
-                             f"error is larger than the signal and every format passes), got {self.floor_db!r}")
-        if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < _ROW_UNIT:
-            raise ValueError(f"--what-if-rows must be an integer >= {_ROW_UNIT} (rows of x and g kept per "
-                             f"layer), got {self.max_rows!r}")
-
-
-# ------------------------------------------------------------------------------------ results
-@dataclasses.dataclass(frozen=True)
-class FormatWhatIf:
-    """One layer under one format: both SQNRs, its storage cost, and per operand the range counts."""
-
-    format: str                               # a FORMATS name
-    bits: float                               # bits per element, scales included (mean over x, W, g)
-    sqnr_out_db: float                        # y = x W^T against bf16; inf: identical; NaN: inf/NaN seen
-    sqnr_grad_w_db: float                     # grad_W = g^T x against bf16
-    counts: dict[str, tuple[int, int, int]]   # per role ("input", "weight", "grad_output"):
-                                              # (flushed nonzero values, saturated values, values)
-    grad_snr: float = math.nan                # end-to-end: |g| / |g_f - g|, the whole model in the format
-    grad_sign: float = math.nan               # |g|-weighted sign agreement with fp32's gradient (grad_snr.py)
-
-    def flushed(self, role: str | None = None) -> float:
-        """Share of ``role``'s values flushed to zero; the largest over the three roles when None."""
-        return self._share(0, role)
-
-    def saturated(self, role: str | None = None) -> float:
-        """Share of ``role``'s values clipped at the element max; the largest of the three when None."""
-        return self._share(1, role)
-
-    def _share(self, i: int, role: str | None) -> float:
-        roles = list(self.counts) if role is None else [role]
-        return max((self.counts[r][i] / self.counts[r][2] if self.counts[r][2] else 0.0) for r in roles)
-
-    @property
-    def sqnr_min_db(self) -> float:
-        """The lower of the two SQNRs (NaN if either is NaN): what the advice compares with the floor."""
-        a, b = self.sqnr_out_db, self.sqnr_grad_w_db
-        return math.nan if math.isnan(a) or math.isnan(b) else min(a, b)
-
-    def tolerated(self, floor_db: float) -> bool:
-        """Both SQNRs at or above ``floor_db``, nothing saturated, and the end-to-end gradient SNR (when
-        measured) at or above ``GRAD_SNR_FLOOR``."""
-        return (self.sqnr_min_db >= floor_db and all(c[1] == 0 for c in self.counts.values())
-                and not self.grad_snr < GRAD_SNR_FLOOR)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerWhatIf:
-    """One linear layer: its shape, the rows measured, and each format's result (FORMATS order)."""
-
-    name: str
-    type: str
-    in_features: int                  # K
-    out_features: int                 # N
-    rows: int                         # rows of x and g measured
-    rows_total: int                   # rows the layer saw in that step (M)
-    formats: tuple[FormatWhatIf, ...]
-
-    @property
-    def swappable(self) -> bool:
-        """Whether an fp8 recipe's swap can take this layer (both weight dims multiples of 16): the
-        what-if measures any shape, but a layer the swap cannot take stays in the base precision."""
-        return shape_takes_fp8(self.out_features, self.in_features)
-
-    def result(self, fmt: str) -> FormatWhatIf:
-        """The result of the format named ``fmt`` (a FORMATS name)."""
-        for r in self.formats:
-            if r.format == fmt:
-                return r
-        raise ValueError(f"no what-if for format {fmt!r}; measured: {', '.join(r.format for r in self.formats)}")
-
-    def cheapest(self, floor_db: float) -> FormatWhatIf | None:
-        """The tolerated format with the fewest bits per element (ties: FORMATS order), or None."""
-        ok = [r for r in self.formats if r.tolerated(floor_db)]
-        return min(ok, key=lambda r: (r.bits, _order(r.format))) if ok else None
-
-
-@dataclasses.dataclass(frozen=True)
-class WhatIfReport:
-    """The what-if of one doctor run: per captured linear layer, in model order."""
-
-    floor_db: float
-    max_rows: int
-    step: int                         # the training step (1-based) whose operands were captured
-    seconds: float                    # wall time of the measurement (captures excluded)
-    layers: tuple[LayerWhatIf, ...]
-
-    def advice(self, layer: LayerWhatIf) -> str:
-        """The cheapest format the layer tolerates at this report's floor, or ``"bf16"``."""
-        best = layer.cheapest(self.floor_db)
-        return "bf16" if best is None else best.format
-
-    @property
-    def subsampled(self) -> tuple[LayerWhatIf, ...]:
-        """Layers measured on fewer rows than they saw."""
-        return tuple(layer for layer in self.layers if layer.rows < layer.rows_total)
-
-
-def _order(fmt: str) -> int:
-    return FORMATS.index(fmt) if fmt in FORMATS else len(FORMATS)
 
 
 # ------------------------------------------------------------------------------------ capture
@@ -282,7 +161,7 @@ class WhatIfCapture:
 
 def _rows_kept(rows: int, max_rows: int) -> int:
     """All rows, or the first ``max_rows`` rounded down to whole 128-row blocks."""
-    return rows if rows <= max_rows else max_rows // _ROW_UNIT * _ROW_UNIT
+    return rows if rows <= max_rows else max_rows // ROW_UNIT * ROW_UNIT
 
 
 # -------------------------------------------------------------------------------- measurement

@@ -39,7 +39,8 @@ from ...model_io import predictions
 from ...recipe import Recipe, get_recipe
 from ..doctor.grad_snr import SNR_FLOOR
 from ..doctor.grad_snr import gradient_snr as doctor_gradient_snr
-from ..doctor.what_if import LayerWhatIf, WhatIfCapture
+from ..doctor.what_if import WhatIfCapture
+from ..doctor.what_if_report import LayerWhatIf
 from ..trainer import batch_order
 from ..workloads import Workload
 from .experts import ExpertsCapture
