@@ -7,10 +7,10 @@ Here, for any model graph (residuals, branches, tied weights, in-place ops):
 
 - S scales the loss as ``scale=dynamic`` does; the gradient flowing between layers carries S.
 - A *layer* is a module that owns trainable parameters directly and has no descendant that does
-  (modules sharing a parameter, a tied embedding and head, form one). Its forward hooks mark its region
-  of the autograd graph: the gradient entering it (at its outputs) is multiplied by r, the gradient
-  leaving it (at its inputs) divided by r, so its weight gradients are computed at S*r and nothing
-  outside changes. r is a power of two in [1, 2**15]: both products are exact in fp16, barring range.
+  (modules sharing a parameter, a tied embedding and head, form one). Its forward hooks (edge_hooks.py)
+  mark its region of the autograd graph: the gradient entering it (at its outputs) is multiplied by r,
+  the gradient leaving it (at its inputs) divided by r, so its weight gradients are computed at S*r and
+  nothing outside changes. r is a power of two in [1, 2**15]: both products are exact in fp16, barring range.
 - ``step()`` divides each layer's fp32 gradients by r (exact), then unscales, clips and skips as usual.
 
 r follows its layer's peak: the largest |gradient| inside it (weight gradients, gradients entering and
@@ -57,10 +57,11 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import nn  # noqa: F401  (the docstring's example uses it)
 
 from ..step.grad_sync import SyncKind
-from .layer_graph import Layer, OutputsFeedEachOther, check_graph, find_layers, made_at, map_tensors, tensors_in
+from .edge_hooks import LayerEdgeHooks
+from .layer_graph import Layer, OutputsFeedEachOther, check_graph, find_layers
 from .scales import DynamicLossScale
 from ..recipe import LossScaleConfig, LossScaleKind
 
@@ -77,7 +78,7 @@ MAX_FACTOR = 2.0**15
 _TARGET = 65504.0 * 2.0**-4
 
 
-class LayerLossScale(DynamicLossScale):
+class LayerLossScale(LayerEdgeHooks, DynamicLossScale):
     """The dynamic scale S plus one factor per layer (see the module docstring).
 
     ``factors`` (L,) fp32 are the layers' r, ``layer_clean`` (L,) int32 their clean steps toward the
@@ -165,57 +166,6 @@ class LayerLossScale(DynamicLossScale):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-
-    # ------------------------------------------------------------- the hooks
-    def _wrap_inputs(self, i: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """Forward pre-hook: each input that needs a gradient goes in as a view whose gradient hook
-        divides by r, so the gradient leaves the layer at S again."""
-        if not torch.is_grad_enabled():
-            return None
-        record = self._recording and not torch.compiler.is_compiling()
-        changed = False
-
-        def wrap(t: torch.Tensor) -> torch.Tensor:
-            nonlocal changed
-            if not t.requires_grad:
-                return t
-            changed = True
-            view = t.view_as(t)      # a node of its own: only this layer's use of t is divided
-            view.register_hook(functools.partial(self._leaving, i))
-            if record:
-                self._leave[view.grad_fn] = i
-            return view
-
-        args, kwargs = map_tensors(wrap, args), map_tensors(wrap, kwargs)
-        return (args, kwargs) if changed else None
-
-    def _hook_outputs(self, i: int, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """Forward hook: the gradient of each output is multiplied by r before the layer's backward
-        reads it. A tensor hook stays with the op that made the tensor when the output is later
-        modified in place (ReLU(inplace=True)); but an in-place op on a *view* (a Linear's output for
-        3-D input is one) reroutes the graph around the view's node, so a view made inside the layer
-        is hooked at its base instead."""
-        if not torch.is_grad_enabled():
-            return
-        compiling = torch.compiler.is_compiling()    # a traced graph has no grad_fn or _base to read
-        outputs = {id(t): t for t in tensors_in(output) if t.requires_grad}    # each once, even if repeated
-        if not compiling:
-            inputs = tensors_in((args, kwargs))
-            outside = {id(a) for a in inputs} | {id(a._base) for a in inputs if a._base is not None}
-            outputs = {id(t): t for t in map(functools.partial(made_at, outside), outputs.values())
-                       if t.grad_fn is not None}                     # a leaf is not ours to scale
-        for t in outputs.values():
-            t.register_hook(functools.partial(self._entering, i))
-            if self._recording and not compiling:
-                self._enter[(t.grad_fn, t.output_nr)] = i
-
-    def _entering(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        _note_peak(self._in_acc, i, grad)
-        return grad * self._factor_of[i]       # exact: a power of two, fp16-representable
-
-    def _leaving(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        _note_peak(self._out_acc, i, grad)
-        return grad * self._inverse_of[i]
 
     # --------------------------------------------------------------- the step
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -390,20 +340,6 @@ class LayerLossScale(DynamicLossScale):
         self.check_state(state)
         super().load_state_dict(state)
         torch.reciprocal(self.factors, out=self.inverses)
-
-
-def _note_peak(acc: torch.Tensor, i: int, grad: torch.Tensor) -> None:
-    """``acc[i] = max(acc[i], max |grad|)``, in place and outside autograd."""
-    with torch.no_grad():
-        acc[i] = torch.maximum(acc[i], _amax(grad))
-
-
-def _amax(grad: torch.Tensor) -> torch.Tensor:
-    """max |grad| as a () fp32 tensor; inf or NaN where grad holds one. One reading pass (aminmax)."""
-    if grad.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=grad.device)
-    low, high = torch.aminmax(grad)
-    return torch.maximum(high, -low).float()
 
 
 def _pow2_floor(x: torch.Tensor) -> torch.Tensor:
