@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mixprec import load_checkpoint, read_checkpoint, save_checkpoint
-from mixprec.checkpoint.files import read_verified, write_verified
+from mixprec.checkpoint.verified import read_verified, write_verified
 
 from probe_bad_inputs import (CLEAR, Outcome, add, case, correct, engine, engine_state, refused, same, tiny, train)
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision, load_checkpoint, save_checkpoint
-from mixprec.checkpoint.files import read_verified, write_verified
+from mixprec.checkpoint.verified import read_verified, write_verified
 
 from probe_bad_inputs import (CLEAR, Outcome, add, batch, correct, engine, engine_state, refused, same, tiny,
                               train)

@@ -99,7 +99,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
-    monkeypatch.setattr(mixprec.checkpoint.files.os, "replace", crash)
+    monkeypatch.setattr(mixprec.checkpoint.verified.os, "replace", crash)
     with pytest.raises(CheckpointError, match="disk full") as info:
         save_checkpoint(path, mp, extra={"step": 2})
     assert str(path) in str(info.value) and ".tmp" not in str(info.value)   # the user's path, not ours
@@ -186,11 +186,11 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
 def test_a_killed_save_leaves_a_temporary_file_the_next_save_removes(tmp_path):
     # A real SIGKILL inside the write: the child holds the lock, the kernel drops it when the child dies.
     code = ("import os, signal, sys, torch; sys.path.insert(0, %r)\n"
-            "import mixprec.checkpoint.files as c\n"
+            "import mixprec.checkpoint.files as c, mixprec.checkpoint.verified as v\n"
             "from conftest import tiny_model\n"
             "m = tiny_model(); mp = c.MixedPrecision(m, torch.optim.AdamW(m.parameters()), 'fp16-pure')\n"
             "def die(*a, **k): os.kill(os.getpid(), signal.SIGKILL)\n"
-            "c.os.fsync = die\n"
+            "v.os.fsync = die\n"
             "c.save_checkpoint(sys.argv[1], mp)\n") % str(Path(__file__).parent)
     killed = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck.pt")], timeout=120)
     assert killed.returncode == -signal.SIGKILL

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec.checkpoint.files
+import mixprec.checkpoint.verified
 from mixprec import CheckpointError, MixedPrecision, load_checkpoint, save_checkpoint
-from mixprec.checkpoint.files import read_verified, write_verified
+from mixprec.checkpoint.verified import read_verified, write_verified
 
 from conftest import batches, tiny_model
 
@@ -300,7 +301,7 @@ def test_a_folder_path_through_a_file_is_named(tmp_path):
 def test_a_read_only_filesystem_names_the_users_path(tmp_path, monkeypatch):
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".ck.pt.abc.tmp"))
-    monkeypatch.setattr(mixprec.checkpoint.files.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(mixprec.checkpoint.verified.tempfile, "mkstemp", read_only)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(tmp_path / "ck.pt", make()[0])
     message = str(info.value)

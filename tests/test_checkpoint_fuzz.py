@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import CheckpointError, MixedPrecision, load_checkpoint, save_checkpoint
-from mixprec.checkpoint.files import read_verified, write_verified
+from mixprec.checkpoint.verified import read_verified, write_verified
 
 from conftest import batches, tiny_model
 

@@ -13,7 +13,7 @@ from conftest import batches, same_nested as _same, tiny_model
 from torch import nn
 
 from mixprec import CheckpointError, MixedPrecision, load_checkpoint, save_checkpoint
-from mixprec.checkpoint.files import read_verified, write_verified
+from mixprec.checkpoint.verified import read_verified, write_verified
 
 
 def _train(recipe, opt=torch.optim.AdamW, steps=2, model=None, seed=1):

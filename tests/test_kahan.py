@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import OPTIMIZERS, batches, tiny_model
 from mixprec import CheckpointError, MixedPrecision, get_recipe, load_checkpoint, parse_recipe, save_checkpoint
-from mixprec.checkpoint.files import read_verified, write_verified
+from mixprec.checkpoint.verified import read_verified, write_verified
 from mixprec.step.grad_sync import _check_fsdp_recipe
 from mixprec.update.kahan import add_compensation_, split_
 from mixprec.update.master import MasterWeights

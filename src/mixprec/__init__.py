@@ -13,7 +13,8 @@ import importlib.util
 import sys as _sys
 import warnings as _warnings
 
-from .checkpoint.files import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint.files import load_checkpoint, save_checkpoint
+from .checkpoint.verified import CheckpointError
 from .checkpoint.read import CheckpointInfo, read_checkpoint
 from .casting.chunked_loss import cross_entropy
 from .devices import Support, supports

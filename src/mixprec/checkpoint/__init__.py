@@ -14,8 +14,8 @@ import importlib as _importlib
 # The public names, resolved at first use: ``files.py`` imports the engine, which imports ``check.py``
 # from this package, so importing ``files`` here would make a circle. Checkpoints on disk name
 # ``mixprec.checkpoint.use_mixprec_read_checkpoint`` (the header torch.load meets): it must resolve here.
-_PUBLIC = {**dict.fromkeys(["save_checkpoint", "load_checkpoint", "CheckpointError",
-                            "use_mixprec_read_checkpoint"], "files"),
+_PUBLIC = {**dict.fromkeys(["save_checkpoint", "load_checkpoint"], "files"),
+           **dict.fromkeys(["CheckpointError", "use_mixprec_read_checkpoint"], "verified"),
            **dict.fromkeys(["read_checkpoint", "CheckpointInfo"], "read"),
            "fp32_state_dict": "export"}
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .files import CheckpointError, read_verified
+from .verified import CheckpointError, read_verified
 from .check import TOP_KEYS
 from ..recipe import get_recipe
 

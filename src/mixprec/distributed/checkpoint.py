@@ -26,8 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..checkpoint.files import (CheckpointError, _rng_state, _set_rng_state, load_checkpoint, read_verified,
-                         save_checkpoint, write_verified)
+from ..checkpoint.files import _rng_state, _set_rng_state, load_checkpoint, save_checkpoint
+from ..checkpoint.verified import CheckpointError, read_verified, write_verified
 from ..checkpoint.check import check_engine_state
 from ..step.grad_sync import SyncKind
 from ..engine import MixedPrecision

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..checkpoint.files import CheckpointError
+from ..checkpoint.verified import CheckpointError
 from ..checkpoint.read import read_checkpoint
 from .cli_args import UsageError
 
