@@ -1,12 +1,13 @@
 """Checkpoints: written atomically, checksummed, verified before any state moves, resumed bit for bit.
 
-``files.py`` saves and loads (``save_checkpoint``, ``load_checkpoint``); ``check.py`` checks that a state
-fits an engine before anything is written; ``values.py`` refuses values no run can produce; ``read.py``
-sums a checkpoint up without an engine (``read_checkpoint``); ``export.py`` gives the fp32 weights for
-``save_pretrained`` and serving.
+``files.py`` saves and loads (``save_checkpoint``, ``load_checkpoint``); ``verified.py`` is the file
+itself (header, SHA-256, atomic write, ``CheckpointError``); ``check.py`` checks that a state fits an
+engine before anything is written, ``optim.py`` the optimizer's and LR scheduler's part of that;
+``values.py`` refuses values no run can produce; ``read.py`` sums a checkpoint up without an engine
+(``read_checkpoint``); ``export.py`` gives the fp32 weights for ``save_pretrained`` and serving.
 
 May import: the engine (``files.py``, ``export.py`` for annotations), ``fp8``, ``recipe``, and its own
-modules. The engine imports ``check.py`` and ``export.py``.
+modules. The engine imports ``check.py`` (with ``optim.py`` and ``values.py``) and ``export.py``.
 """
 
 import importlib as _importlib

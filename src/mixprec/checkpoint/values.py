@@ -1,7 +1,7 @@
-"""Values no run can produce, refused when a checkpoint is loaded (``checkpoint_check`` calls these).
+"""Values no run can produce, refused when a checkpoint is loaded (``check.py``, ``optim.py`` call these).
 
-``checkpoint_check`` makes sure a checkpoint fits: keys, shapes, dtypes, types. A file with a valid
-checksum can still hold values that no training could have written, and that train wrong once loaded
+``check.py`` and ``optim.py`` make sure a checkpoint fits: keys, shapes, dtypes, types. A file with a
+valid checksum can still hold values that no training could have written, and that train wrong once loaded
 (issue 33): a negative second moment (Adam's ``exp_avg_sq``, Adagrad's ``sum``: ``sqrt`` of it is NaN),
 non-finite optimizer state, a loss scale outside the recipe's ``[floor, ceiling]``, a dynamic scale
 whose ``clean_steps`` is at or past ``growth_interval`` (torch's update grows only on equality, so it
