@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import mixprec
 from mixprec import CheckpointError, MixedPrecision, read_checkpoint, save_checkpoint
-from mixprec.checkpoint.files import _MAGIC, read_verified, write_verified
+from mixprec.checkpoint.verified import _MAGIC, read_verified, write_verified
 
 from conftest import batches, tiny_model
 
