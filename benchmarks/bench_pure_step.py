@@ -1,7 +1,7 @@
 """The pure-recipe optimizer step at 16 B/param against the step that held fp32 gradients (20 B/param).
 
 ``MixedPrecision.step()`` now casts the 16-bit gradients into fp32 per chunk and frees them after the
-chunk's update (update/master.py). The old step, which filled every fp32 copy's gradient at once and kept it,
+chunk's update (update/chunks.py). The old step, which filled every fp32 copy's gradient at once and kept it,
 is still what the engine runs while a step observer is attached; a no-op observer selects it, so both
 run from the same code in one process, interleaved (old, new, old, new ...), on the same gradients.
 

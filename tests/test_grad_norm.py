@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import OPTIMIZERS, assert_same_state, batches, master_state, tiny_model
 
-import mixprec.update.master as master_module
+import mixprec.update.transients as transients_module
 from mixprec import MixedPrecision
 from mixprec.step.grad_norm import GradNorm, _fits_one_block, global_norm_f32
 
@@ -177,7 +177,7 @@ def test_chunked_is_one_call_bitwise_across_blocks_and_the_kept_workspace(recipe
     # every chunk cast into the CPU workspace, where gradients sit at offsets rounded to 64 bytes. The
     # one-call step dots its casts there in place; the chunked one (100 B: a chunk per tensor) does
     # that for its first chunk and reads the others' 16-bit gradients through the scratch.
-    monkeypatch.setattr(master_module, "_WORKSPACE_MIN", 0)
+    monkeypatch.setattr(transients_module, "_WORKSPACE_MIN", 0)
     one, _ = train(recipe, opt_name, block=16, clip=0.5, plant_at=1)
     assert one.master.workspace_bytes > 0
     many, skipped = train(recipe, opt_name, chunk_bytes=100, block=16, clip=0.5, plant_at=1)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import OPTIMIZERS, assert_same_state, batches, master_state, tiny_model
 
-import mixprec.update.master as master_module
+import mixprec.update.transients as transients_module
 from mixprec import MixedPrecision
 from mixprec.diagnostics.memory import state_bytes, storage_bytes
 from mixprec.update.master import MasterWeights
@@ -136,7 +136,7 @@ def test_a_small_models_kept_transients_step_bitwise_as_fresh_ones(recipe, opt_n
     # The same addresses at every step taken with every gradient (seen: steps 0, 2, 3, 4, 5; step 3
     # lacked one and laid out afresh).
     assert len({tuple(ptrs) for i, ptrs in enumerate(seen) if i != 2}) == 1
-    monkeypatch.setattr(master_module, "_SMALL_KEPT", 0)
+    monkeypatch.setattr(transients_module, "_SMALL_KEPT", 0)
     fresh, _, fresh_losses, fresh_skipped = run()
     assert fresh.master.workspace_bytes == 0
     assert (losses, skipped) == (fresh_losses, fresh_skipped)
@@ -164,14 +164,14 @@ def test_kept_bit_views_and_noise_xors_round_as_fresh_ones_past_the_tables_rehas
 
     kept = run()
     assert kept.master._layout is not None and (recipe != "bf16-sr" or kept.master._noise_plan is not None)
-    monkeypatch.setattr(master_module, "_SMALL_KEPT", 0)
+    monkeypatch.setattr(transients_module, "_SMALL_KEPT", 0)
     fresh = run()
     assert fresh.master._layout is None
     assert_same_state(master_state(kept), master_state(fresh))
 
 
 def test_kept_gradient_bytes_fit_4_mib():
-    assert master_module.kept_gradient_bytes(2**20, keep=True) == 4 * 2**20       # 4 MiB: kept
-    assert master_module.kept_gradient_bytes(2**20 + 1, keep=True) == 0
-    assert master_module.kept_gradient_bytes(2**19, keep=False) == 8 * 2**19      # weights and gradients
-    assert master_module.kept_gradient_bytes(2**19 + 1, keep=False) == 0
+    assert transients_module.kept_gradient_bytes(2**20, keep=True) == 4 * 2**20       # 4 MiB: kept
+    assert transients_module.kept_gradient_bytes(2**20 + 1, keep=True) == 0
+    assert transients_module.kept_gradient_bytes(2**19, keep=False) == 8 * 2**19      # weights and gradients
+    assert transients_module.kept_gradient_bytes(2**19 + 1, keep=False) == 0

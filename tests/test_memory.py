@@ -40,7 +40,7 @@ def test_seed_002_model_memory_fp32_and_fp16_with_master():
     assert fp32.params == 4 * N_PARAMS and round((fp32.params + fp32.master) / 1e6, 2) == 26.05
     assert pure.params == 2 * N_PARAMS and pure.master == 4 * N_PARAMS
     assert round((pure.params + pure.master) / 1e6, 2) == 39.08
-    # fp16 model grads only: the fp32 copies' gradients live one chunk of one step (update/master.py).
+    # fp16 model grads only: the fp32 copies' gradients live one chunk of one step (update/chunks.py).
     assert pure.grads == 2 * N_PARAMS
 
 

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from ..casting.model import low_precision_params
 from ..update.compact_adamw import moment_bytes
 from ..engine import MixedPrecision
-from ..update.master import kept_gradient_bytes
+from ..update.transients import kept_gradient_bytes
 from ..model_io import call_model, output_loss
 from ..recipe import Precision, Recipe, get_recipe
 from ..recipe.moments import Moments

@@ -2,7 +2,7 @@
 
 ``step()`` must know the norm of the gradients (is any of them inf or NaN? by how much to clip?) before
 the optimizer moves a single weight. Under a pure recipe the optimizer steps fp32 copies chunk by chunk
-(``update/master.py``), so the fp32 casts of the gradients exist one chunk at a time: the norm must read the
+(``update/chunks.py``), so the fp32 casts of the gradients exist one chunk at a time: the norm must read the
 16-bit gradients themselves.
 
 - CUDA: one ``_foreach_norm`` launch per dtype reads 16-bit and fp32 gradients and accumulates in fp32.
