@@ -29,7 +29,7 @@ test-slow: $(TEST_STAMP)
 	$(PYTEST) -m slow
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/step/bench_step.py
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -14,7 +14,7 @@ order rotates) so drift in clock speed or load hits all alike:
 - eager: the same with ``fused=False``: eager torch ops only (what a machine without a compiler gets).
 
 Prints medians and each variant's ratio to plain.
-Usage: python benchmarks/bench_doctor.py [--workloads mlp,gpt] [--recipes fp32,fp16] [--reps 30]
+Usage: python benchmarks/doctor/bench_doctor.py [--workloads mlp,gpt] [--recipes fp32,fp16] [--reps 30]
        [--device cpu|cuda] [--threads N]
 """
 

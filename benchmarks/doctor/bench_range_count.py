@@ -4,7 +4,7 @@
 Each row counts the same ``randn`` piece by each route (the calls RangeHistogram makes), checks that
 they agree bin for bin, and prints the mean time per value over ``--reps`` calls after a warm-up,
 with the ratio of each torch route to the C one.
-Usage: python benchmarks/bench_range_count.py [--sizes 1024,32768,131072,524288]
+Usage: python benchmarks/doctor/bench_range_count.py [--sizes 1024,32768,131072,524288]
        [--dtypes fp32,bf16,fp16] [--reps 50] [--device cpu|cuda] [--threads N]
 """
 

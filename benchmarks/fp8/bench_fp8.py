@@ -5,13 +5,13 @@ input, a random bf16 output gradient. Each measurement is one forward and one ba
 weight gradients). The variants run interleaved (A, B, C, A, B, C, ...) in one process and the
 medians are compared; ratios above 1 mean the fp8 layer is faster than bf16.
 
-    python benchmarks/bench_fp8.py                        # CUDA, S = 4096 and 8192 (goal: >= 1.4x at 8192)
-    python benchmarks/bench_fp8.py --compile              # each layer under torch.compile as well
-    python benchmarks/bench_fp8.py --cpu-smoke            # CPU, S = 256: checks the script, not speed
+    python benchmarks/fp8/bench_fp8.py                        # CUDA, S = 4096 and 8192 (goal: >= 1.4x at 8192)
+    python benchmarks/fp8/bench_fp8.py --compile              # each layer under torch.compile as well
+    python benchmarks/fp8/bench_fp8.py --cpu-smoke            # CPU, S = 256: checks the script, not speed
 
 mixprec's layers run with eager casts (the default); the ", fused casts" rows are the same layers
 with ``fused_casts = True`` (fp8/fused.py's compiled casts: fewer kernels, but slower from 1024x1024
-up on an H200, benchmarks/bench_fp8_cast.py). The kernels column counts GPU kernels per forward +
+up on an H200, benchmarks/fp8/bench_fp8_cast.py). The kernels column counts GPU kernels per forward +
 backward.
 
 fp8 speed needs fp8 tensor cores (compute capability 8.9+); on a CPU the script refuses unless

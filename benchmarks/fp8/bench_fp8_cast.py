@@ -6,8 +6,8 @@ over the tensor instead of six). Which wins depends on the size: this prints, pe
 of a call (until it returns, no sync) and the wall time of a synced call, median of interleaved reps,
 so the size above which the fused cast pays can be read off.
 
-    python benchmarks/bench_fp8_cast.py --device cuda
-    python benchmarks/bench_fp8_cast.py --device cpu --sizes 64x64,1024x1024 --reps 20    # a dry run
+    python benchmarks/fp8/bench_fp8_cast.py --device cuda
+    python benchmarks/fp8/bench_fp8_cast.py --device cpu --sizes 64x64,1024x1024 --reps 20    # a dry run
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ emulated, bf16, ...) so drift in clock speed or load hits them alike, and median
 ``fp8`` row is ``backend=auto``: the backend the measured probe picked on this CPU (printed). Goal
 (issue 27): fp8 no slower than 3x bf16.
 
-    python benchmarks/bench_fp8_cpu_step.py [--reps 20] [--threads 1] [--recipes "bf16;fp8-rowwise;nvfp4"]
+    python benchmarks/fp8/bench_fp8_cpu_step.py [--reps 20] [--threads 1] [--recipes "bf16;fp8-rowwise;nvfp4"]
 
 ``--recipes``: other recipes to time instead (';'-separated; bf16 is always timed, the yardstick), e.g.
 the blocked formats of issue 25. ``--model mixtral``: a small Hugging Face Mixtral instead (hidden 128,
 8 experts of 256, top 2, 2 layers, batch 8 x 64 random tokens; needs transformers), whose experts run
 fp8 grouped GEMMs under ``fp8``; ``fp8 (experts bf16)`` keeps them out (``skip=*.experts.*``)::
 
-    python benchmarks/bench_fp8_cpu_step.py --model mixtral --recipes "fp8;compute=bf16,fp8=current(skip=*.experts.*)"
+    python benchmarks/fp8/bench_fp8_cpu_step.py --model mixtral --recipes "fp8;compute=bf16,fp8=current(skip=*.experts.*)"
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ this batch's own; nvfp4's stochastic rounding has advanced). SQNR in dB = 10 log
 
 The issue's goals: rowwise and block >= per-tensor current; mxfp8 >= 25 dB; nvfp4 >= 10 dB.
 
-The step time of these recipes on the lab's gpt: ``python benchmarks/bench_fp8_cpu_step.py --recipes
+The step time of these recipes on the lab's gpt: ``python benchmarks/fp8/bench_fp8_cpu_step.py --recipes
 "bf16;fp8;fp8-rowwise;fp8-block;mxfp8;nvfp4"``.
 
-Usage: python benchmarks/fp8_formats_sqnr.py [--seeds 3] [--threads 1]
+Usage: python benchmarks/fp8/fp8_formats_sqnr.py [--seeds 3] [--threads 1]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The issue's floors: outputs >= 20 dB, gradients >= 18 dB.
 - gpt: the lab's gpt after 200 fp32 steps: every linear of its first block on a real validation batch,
   with the gradients the real loss sends back.
 
-Usage: python benchmarks/fp8_sqnr.py
+Usage: python benchmarks/fp8/fp8_sqnr.py
 """
 
 from __future__ import annotations

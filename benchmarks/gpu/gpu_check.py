@@ -5,16 +5,16 @@ whose time would run out is cut at its share (what it wrote so far is kept) and 
 start in the time left is skipped with a line saying so:
 
   a. tests    the CUDA tests (tests/gpu and the gpu-marked tests elsewhere), one pytest process, each
-              file stopped at its first failure (benchmarks/gpu_check_plugin.py);
-  b. parity   the default bf16/fp16 loop against torch.amp's (benchmarks/bench_parity.py), interleaved,
+              file stopped at its first failure (benchmarks/gpu/gpu_check_plugin.py);
+  b. parity   the default bf16/fp16 loop against torch.amp's (benchmarks/step/bench_parity.py), interleaved,
               weights compared: a GPU-bound transformer (lm-gpu) and a host-bound one (lm), eager and
               ``torch.compile``d;
   c. fp8      fp8 per-tensor and rowwise against torch.amp bf16 and torchao float8 (tensorwise and
-              rowwise), compiled, on a 340M-parameter Llama (benchmarks/bench_e2e.py --layers 4);
+              rowwise), compiled, on a 340M-parameter Llama (benchmarks/step/bench_e2e.py --layers 4);
   d. host     the host-bound step (a 64-wide MLP, batch 8) eager and captured (``torch.compile`` +
               ``mp.compile_step(mode="reduce-overhead")``: CUDA graphs) against torch.amp eager and
-              compiled (benchmarks/bench_step.py);
-  e. doctor   the doctor's cost on the GPU (benchmarks/bench_doctor.py) and the memory prediction
+              compiled (benchmarks/step/bench_step.py);
+  e. doctor   the doctor's cost on the GPU (benchmarks/doctor/bench_doctor.py) and the memory prediction
               against the allocator's peak (``mixprec inspect --benchmark gpt2``).
 
 Writes into the output folder (``$OUT``, else ./gpu-out): ``gpu_check.md`` (a header with the device,
@@ -24,9 +24,9 @@ to paste into benchmarks/RESULTS.md) and ``gpu_check.log`` (every part's raw out
 ``--dry-run`` runs every part's code path on the CPU at tiny sizes, compiled rows through the
 ``aot_eager`` backend, so the check cannot rot without a GPU (tests/test_gpu_check.py runs it).
 
-    bash benchmarks/gpu_check.sh                 # on the GPU machine: python3 with a CUDA torch
-    bash benchmarks/gpu_check.sh --dry-run       # anywhere
-    bash benchmarks/gpu_check.sh --budget 300 --parts tests,host
+    bash benchmarks/gpu/gpu_check.sh                 # on the GPU machine: python3 with a CUDA torch
+    bash benchmarks/gpu/gpu_check.sh --dry-run       # anywhere
+    bash benchmarks/gpu/gpu_check.sh --budget 300 --parts tests,host
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass
@@ -97,22 +97,22 @@ def parts(dry: bool, tmp: Path, py: str) -> list[Part]:
             ("pytest", [py, "-m", "pytest", "-q", "-rs", "-p", "gpu_check_plugin", "-p", "no:cacheprovider",
                         *_gpu_tests(), "-m", "gpu"], None)]),
         Part("parity", "b. The default loop against torch.amp's (ratio < 1: mixprec faster)", 120, 30, [
-            ("eager", [py, b + "bench_parity.py", *dev, *parity_sizes, *parity_pairs, "--models", "lm-gpu,lm",
+            ("eager", [py, b + "step/bench_parity.py", *dev, *parity_sizes, *parity_pairs, "--models", "lm-gpu,lm",
                        "--recipes", "bf16,fp16", "--modes", "eager", "--optimizers", "fused",
                        "--markdown", md("parity-eager")], md("parity-eager")),
-            ("compiled", [py, b + "bench_parity.py", *dev, *parity_sizes, *parity_pairs, *backend,
+            ("compiled", [py, b + "step/bench_parity.py", *dev, *parity_sizes, *parity_pairs, *backend,
                           "--models", "lm-gpu,lm", "--recipes", "bf16,fp16", "--modes", "compiled",
                           "--optimizers", "fused", "--markdown", md("parity-compiled")], md("parity-compiled"))]),
         Part("fp8", "c. fp8 against torch.amp bf16 and torchao float8, compiled", 150, 60, [
-            ("e2e", [py, b + "bench_e2e.py", *dev, *e2e, *backend, "--modes", "compiled", "--variants",
+            ("e2e", [py, b + "step/bench_e2e.py", *dev, *e2e, *backend, "--modes", "compiled", "--variants",
                      "amp-bf16,fp8,torchao-fp8,fp8-rowwise,torchao-fp8-rowwise", "--markdown", md("fp8")],
              md("fp8"))]),
         Part("host", "d. The host-bound step, eager and captured", 40, 15, [
-            ("step", [py, b + "bench_step.py", *dev, *host, *backend, "--width", "64", "--depth", "3",
+            ("step", [py, b + "step/bench_step.py", *dev, *host, *backend, "--width", "64", "--depth", "3",
                       "--batch", "8", "--recipes", "bf16,fp16", "--opt-widths", "", "--markdown", md("host")],
              md("host"))]),
         Part("doctor", "e. The doctor's cost and the memory prediction", 50, 15, [
-            ("doctor", [py, b + "bench_doctor.py", *dev, *doctor, "--recipes", "bf16",
+            ("doctor", [py, b + "doctor/bench_doctor.py", *dev, *doctor, "--recipes", "bf16",
                         "--markdown", md("doctor")], md("doctor")),
             ("memory", [py, "-m", "mixprec.lab.cli", "inspect", *dev, *inspect,
                         "--json", str(tmp / "inspect.json")], None)]),
@@ -120,7 +120,7 @@ def parts(dry: bool, tmp: Path, py: str) -> list[Part]:
 
 
 def tests_table(results: Path) -> str:
-    """One row per test file from the plugin's records (benchmarks/gpu_check_plugin.py): passed,
+    """One row per test file from the plugin's records (benchmarks/gpu/gpu_check_plugin.py): passed,
     failed, skipped, seconds, first failure. A run cut off at its time limit shows what it reached."""
     if not results.exists():
         return "(no test finished: pytest was stopped before its first result, or collected nothing)"
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if not wanted or not set(wanted) <= set(known):
         ap.error(f"--parts takes a comma list of {', '.join(known)}; got {args.parts!r}")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT / "benchmarks")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        [str(ROOT / "src"), str(ROOT / "benchmarks" / "gpu")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env["GPU_CHECK_RESULTS"] = str(tmp / "tests.jsonl")
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""          # the CPU paths even on a machine with a GPU

@@ -1,4 +1,4 @@
-"""A pytest plugin for benchmarks/gpu_check.py: stop each test file at its first failure, and record
+"""A pytest plugin for benchmarks/gpu/gpu_check.py: stop each test file at its first failure, and record
 every test's outcome as it happens.
 
 ``pytest -x`` stops the whole run at the first failure; the GPU check wants every file's verdict in
@@ -6,7 +6,7 @@ one process (one CUDA start-up), so a failure skips only the rest of its own fil
 outcome is appended at once, as one JSON line, to the file named by ``GPU_CHECK_RESULTS`` (and a
 failure's first line is printed): a run cut off at its time limit keeps what it saw (the H100 run of
 2026-11-27 lost a failure to a JUnit report that is only written at the end).
-Loaded with ``-p gpu_check_plugin`` (benchmarks/ on the path).
+Loaded with ``-p gpu_check_plugin`` (benchmarks/gpu/ on the path).
 """
 
 from __future__ import annotations

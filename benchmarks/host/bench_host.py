@@ -27,11 +27,11 @@ or the step alone in CUDA graphs) against torch.amp's loop with ``torch.compile(
 mode="reduce-overhead")`` and a compiled fused AdamW step; fp8 also with its casts fused
 (fp8/fused.py's compiled kernels instead of the default eager ones). ``--captured`` runs these variants on a CPU too.
 
-Usage: python benchmarks/bench_host.py [--recipes bf16,fp16,...] [--clips none,1.0] [--pairs 200]
+Usage: python benchmarks/host/bench_host.py [--recipes bf16,fp16,...] [--clips none,1.0] [--pairs 200]
        [--no-time] [--profile] [--trace] [--guarded] [--torchao] [--captured] [--device cpu|cuda]
        [--threads 1]
 On a GPU (a few minutes, mostly compiling):
-       python benchmarks/bench_host.py --device cuda --recipes bf16,fp16,bf16-pure --clips none --pairs 200
+       python benchmarks/host/bench_host.py --device cuda --recipes bf16,fp16,bf16-pure --clips none --pairs 200
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Off installs nothing: what remains of the option in the hot path is two ``nullco
 Prints median step times and the ratio on / off, twice: by the wall clock, and by this thread's CPU
 time (``time.thread_time``: with one torch thread on the CPU the whole step runs on it, and a step
 preempted by other processes on a shared machine is not charged for the wait).
-Usage: python benchmarks/bench_nonfinite.py [--reps 20] [--threads 1] [--recipes fp32,fp16] [--workloads mlp,gpt]
+Usage: python benchmarks/host/bench_nonfinite.py [--reps 20] [--threads 1] [--recipes fp32,fp16] [--workloads mlp,gpt]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ ratio to plain torch.autocast:
 The engine's own ``step()`` (norm, clipping) is not used: every variant calls ``optimizer.step()``, so
 only the op-list machinery differs. Usage::
 
-    python benchmarks/bench_oplists.py [--threads 1] [--reps 15] [--batch 32] [--device cpu]
+    python benchmarks/host/bench_oplists.py [--threads 1] [--reps 15] [--batch 32] [--device cpu]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The engine's checks (usage_checks.UsageChecks) run in every step(): a loop over 
 consecutive-skip counter. Here the same engine trains with the checks on and with them stubbed out
 (no-ops), interleaved A, B, A, B so load drift hits both alike; medians and the ratio are printed.
 
-Usage: python benchmarks/bench_usage_checks.py [--device cpu|cuda] [--reps 40] [--depth 8] [--width 256]
+Usage: python benchmarks/host/bench_usage_checks.py [--device cpu|cuda] [--reps 40] [--depth 8] [--width 256]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Top-level aten ops (each one kernel launch on a GPU) in one fp16 training step and in ``mp.step()``,
 with the dynamic loss-scale update eager and fused (``mixprec.fusion``), counted with torch.profiler.
 
-    python benchmarks/count_step_ops.py [--device cpu|cuda]
+    python benchmarks/host/count_step_ops.py [--device cpu|cuda]
 
 Counts are exact, not timings: they do not depend on the machine's load. On CUDA the fused update is
 the default; here both are shown side by side.

@@ -1,6 +1,6 @@
 """The lab's layout in numbers: files and lines per (sub)package, and the longest functions.
 
-    python benchmarks/lab_layout.py [src/mixprec/lab]
+    python benchmarks/layout/lab_layout.py [src/mixprec/lab]
 
 Printed: one line per folder (files, lines), then the ten longest functions (lines from ``def`` to the
 last line of the body, decorators excluded) and how many run past 40 lines. Pair it with

@@ -8,8 +8,8 @@ holds a 4-byte copy of them (2 bytes more per logit than autocast's bf16) until 
 
 Each variant runs in its own process (peak RSS only grows), one training step after a warm-up step:
 
-    python benchmarks/bench_output_cast.py                 # CPU: peak RSS
-    python benchmarks/bench_output_cast.py --device cuda   # GPU: torch.cuda.max_memory_allocated
+    python benchmarks/memory/bench_output_cast.py                 # CPU: peak RSS
+    python benchmarks/memory/bench_output_cast.py --device cuda   # GPU: torch.cuda.max_memory_allocated
 """
 
 from __future__ import annotations

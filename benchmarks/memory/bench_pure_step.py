@@ -16,7 +16,7 @@ each build on its own: the same step was measured up to 20% faster in one build 
 this CPU (where the allocator places the weights, moments and workspace), so one build can fake a
 regression or hide one. "old/new" is the geometric mean of the builds' ratios, which follow it.
 
-Usage: python benchmarks/bench_pure_step.py [--device cpu|cuda] [--reps 20] [--widths 1024,2048]
+Usage: python benchmarks/memory/bench_pure_step.py [--device cpu|cuda] [--reps 20] [--widths 1024,2048]
        [--chunk-mib 64,4] [--clock wall|cpu] [--builds 4]
        [--optimizers fused,foreach]
 """

@@ -5,7 +5,7 @@ activations of each recipe against fp32's (the ratio), with the fp32 tensors a r
 the op that made them. On the CPU the model is built on the meta device and only predicted (fake
 tensors); on CUDA it is built for real and one step per recipe is measured beside the prediction.
 
-Usage: python benchmarks/memory_recipes.py [--benchmark gpt2] [--device cpu|cuda] [--recipes "a;b"]
+Usage: python benchmarks/memory/memory_recipes.py [--benchmark gpt2] [--device cpu|cuda] [--recipes "a;b"]
 """
 
 from __future__ import annotations

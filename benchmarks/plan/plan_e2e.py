@@ -10,8 +10,8 @@ per-tensor fp8, compiled: how far the speed model's predicted step ratio is from
    ``bench_e2e.run_variant`` (same model, batches, fused AdamW, clip 1.0).
 3. The predicted ratio (plan / bf16 on the target's roofline) beside the measured one, and the error.
 
-    python benchmarks/plan_e2e.py --device cuda --target h100 --layers 4     # 340M: about 4 minutes on an H100
-    python benchmarks/plan_e2e.py --cpu-smoke                                  # a tiny Llama: checks the script
+    python benchmarks/plan/plan_e2e.py --device cuda --target h100 --layers 4  # 340M: about 4 minutes on an H100
+    python benchmarks/plan/plan_e2e.py --cpu-smoke                               # a tiny Llama: checks the script
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))   # bench_e2e
 from bench_e2e import Llama, LlamaConfig, run_variant  # noqa: E402
 
 from mixprec.lab.plan import plan_setup, run_plan  # noqa: E402

@@ -23,8 +23,8 @@ checkpoints, empty fp8 batches, skipped fp8 steps, a binding clip), ``probe_case
 33 continued: the fp8 scale's rounding, the what-if on odd dims, nvfp4 zero blocks, per-layer scale on
 tuples and routers). This module holds the outcome rules and the runner::
 
-    .venv/bin/python benchmarks/probe_bad_inputs.py              # the table and the totals
-    .venv/bin/python benchmarks/probe_bad_inputs.py -k ckpt -v   # one area, with each case's detail
+    .venv/bin/python benchmarks/probe/probe_bad_inputs.py              # the table and the totals
+    .venv/bin/python benchmarks/probe/probe_bad_inputs.py -k ckpt -v   # one area, with each case's detail
 
 It runs on one CPU thread, on tiny models, in about 1-1.5 minutes, and exits 1 if any case is not a
 clear error or correct behaviour.
@@ -113,7 +113,7 @@ def _from_mixprec(exc: BaseException) -> bool:
     name = frames[-1].filename
     # Raised in mixprec (wherever this run imports it from), or at the call site (a Python TypeError
     # for a wrong call signature).
-    return name.startswith(os.path.dirname(mixprec.__file__) + os.sep) or "/benchmarks/probe_" in name
+    return name.startswith(os.path.dirname(mixprec.__file__) + os.sep) or "/benchmarks/probe/probe_" in name
 
 
 def classify_error(exc: BaseException, words: Iterable[str] = ()) -> Outcome:

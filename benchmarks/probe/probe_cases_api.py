@@ -112,7 +112,7 @@ for what, call, words in BAD_CONFIGS:
 @case("recipe", "bf16,modules=0:fp16 takes a dynamic scale (docs/recipes.md)")
 def _bf16_module_fp16() -> Outcome:
     r = parse_recipe("bf16,modules=0:fp16")
-    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "recipes.md")).read()
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "recipes.md")).read()
     return correct(r.loss_scale.kind == "dynamic" and "modules=lm_head:fp16` is" in docs
                    and "scale=dynamic,modules=lm_head:fp16" in docs,
                    "fp16 anywhere gets the dynamic scale, and docs/recipes.md says so")

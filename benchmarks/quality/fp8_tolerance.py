@@ -4,7 +4,7 @@ For every seed, bf16 and the fp8 recipes train the same workload from that seed'
 minibatch order (``mixprec.lab.compare``). Printed: each run's test metric and final train loss, each fp8
 run's difference from bf16 under the same seed, and bf16's own spread over the seeds for scale.
 
-Usage: python benchmarks/fp8_tolerance.py [--workloads mlp,gpt] [--seeds 0,1,2] [--recipes fp8,fp8-delayed]
+Usage: python benchmarks/quality/fp8_tolerance.py [--workloads mlp,gpt] [--seeds 0,1,2] [--recipes fp8,fp8-delayed]
 """
 
 from __future__ import annotations

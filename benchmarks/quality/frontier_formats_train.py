@@ -9,15 +9,15 @@ Two measurements, both on ``transformers.LlamaForCausalLM`` with the tiny config
    model is built under each run's seed, so ``seed_noise.py`` varies init and batch order and prints
    fp32's band::
 
-       PYTHONPATH=benchmarks python benchmarks/seed_noise.py --workloads frontier_formats_train:llama_tiny \\
-           --seeds 0,1,2 --recipes "fp32;bf16;fp8;fp8-rowwise;fp8-block;mxfp8;nvfp4" [--steps N]
+       PYTHONPATH=benchmarks/quality python benchmarks/quality/seed_noise.py \\
+           --workloads frontier_formats_train:llama_tiny --seeds 0,1,2 --recipes "fp32;bf16;fp8;fp8-rowwise;fp8-block;mxfp8;nvfp4" [--steps N]
 
 2. Fixed-seed yardstick (this script's ``__main__``). ``tests/integrations/matrix_run.train_curve``
    trains hf_tiny's Llama from seed 0 on one fixed batch; it cannot vary the seed, so each recipe's
    curve is compared with fp32's (``aligned_deviation``: worst gap after the same number of updates,
    relative to fp32's first loss) and bf16's own deviation is the yardstick::
 
-       python benchmarks/frontier_formats_train.py [--steps 40] [--lr 3e-3] [--threads 1]
+       python benchmarks/quality/frontier_formats_train.py [--steps 40] [--lr 3e-3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")      # the one-time "emulated on cpu" notices
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integrations"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integrations"))
     import matrix_run
     import transformers  # noqa: F401  (imported here, so fp32's time below does not include it)
 

@@ -6,7 +6,7 @@ same weights. Per layer and recipe: the relative error ``|g_r - g| / |g|`` (mean
 relative bias ``|mean(g_r - g)| / |mean(g)|``, the sign agreement (share of entries whose sign matches
 fp32's, weighted by ``|g|``) and the SNR ``|g| / |g_r - g|`` against the sqrt(3) threshold.
 
-    python benchmarks/grad_probe.py --at 0,200,400,600 --recipes "bf16;fp8;fp8-rowwise;mxfp8;nvfp4"
+    python benchmarks/quality/grad_probe.py --at 0,200,400,600 --recipes "bf16;fp8;fp8-rowwise;mxfp8;nvfp4"
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ scale ``2**(floor(log2 amax) - 8)``, which saturates a block's top values), ``mx
 32-blocks), ``bf16`` (just rounded to bf16) or ``once`` (W's forward quantization reused by grad_x: the
 weight quantized once). A variant is a name and a dict of sites; sites not named are ``row``.
 
-    python benchmarks/mxfp8_ablation.py --variants row,mx,mx_fwd,mx_gx,mx_gw --seeds 0,1,2 --iters 800 \\
+    python benchmarks/quality/mxfp8_ablation.py --variants row,mx,mx_fwd,mx_gx,mx_gw --seeds 0,1,2 --iters 800 \\
         --device cuda --workers 12 --json out.jsonl
 
 It prints one line per (variant, seed) with the validation loss at each evaluation, and a table of the

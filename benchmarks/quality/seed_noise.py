@@ -4,7 +4,7 @@ For every seed, every recipe trains from that seed's initial weights and minibat
 (``mixprec.lab.compare``). fp32's spread over the seeds is the noise band; a recipe is "within noise"
 when its mean test metric is inside fp32's [min, max] over the seeds, widened by nothing.
 
-Usage: python benchmarks/seed_noise.py [--workloads mlp,cnn,gpt] [--seeds 0,1,2,3,4] [--steps N]
+Usage: python benchmarks/quality/seed_noise.py [--workloads mlp,cnn,gpt] [--seeds 0,1,2,3,4] [--steps N]
 """
 
 from __future__ import annotations

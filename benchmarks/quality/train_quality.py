@@ -8,10 +8,10 @@ validation loss (mean over seeds), the gap to fp32 at the same seed, whether the
 fp32's final band, and **where it leaves the band**: the first evaluation from which the recipe's
 mean stays outside fp32's band at every later evaluation ("-" if it never does, or comes back).
 
-    python benchmarks/train_quality.py                                 # every recipe, 3 seeds, 800 iters
-    python benchmarks/train_quality.py --quick                         # 3 recipes, 2 seeds, 200 iters
-    python benchmarks/train_quality.py --recipes "fp32;mxfp8" --seeds 0,1 --iters 400 --n-embd 32 --batch 16
-    python benchmarks/train_quality.py --device cuda --workers 12 --json runs.jsonl
+    python benchmarks/quality/train_quality.py                                 # every recipe, 3 seeds, 800 iters
+    python benchmarks/quality/train_quality.py --quick                         # 3 recipes, 2 seeds, 200 iters
+    python benchmarks/quality/train_quality.py --recipes "fp32;mxfp8" --seeds 0,1 --iters 400 --n-embd 32 --batch 16
+    python benchmarks/quality/train_quality.py --device cuda --workers 12 --json runs.jsonl
 
 Runs go to ``--workers`` processes (one thread each); ``--json`` appends one line per run (the whole
 curve), and ``--from-json`` re-renders a table from such a file without training.

@@ -13,7 +13,7 @@ convolutions run on the same tensor cores in both; what differs, reading torch's
 For fp16 and bf16, NCHW and channels_last, this times training steps (interleaved, medians) and
 profiles one step: the share of GPU time in BatchNorm kernels, in layout transposes, and the longest
 BatchNorm kernel's name (cuDNN's ``bn_fw_tr_...`` against ATen's ``batch_norm_collect_statistics``).
-Usage: python benchmarks/bench_convnet_layout.py [--device cuda] [--batch 128] [--reps 10]
+Usage: python benchmarks/step/bench_convnet_layout.py [--device cuda] [--batch 128] [--reps 10]
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@
    local copy: what it measures is the cast's cost, not the wire's.
 
 Prints rank 0's medians and ratios. Usage:
-    python benchmarks/bench_dist.py [--nproc 2] [--device cpu|cuda] [--width 1024] [--reps 30]
-    python benchmarks/bench_dist.py --fsdp-fp8 [--nproc 2] [--device cpu|cuda] [--width 1024] [--reps 10]
+    python benchmarks/step/bench_dist.py [--nproc 2] [--device cpu|cuda] [--width 1024] [--reps 30]
+    python benchmarks/step/bench_dist.py --fsdp-fp8 [--nproc 2] [--device cpu|cuda] [--width 1024] [--reps 10]
 """
 
 from __future__ import annotations

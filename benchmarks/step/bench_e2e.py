@@ -22,9 +22,9 @@ variant: ms/step (median), tokens/s, model TFLOP/s (6 N per token plus attention
 against the GPU's dense bf16 peak, peak memory, and the loss after the timed steps; then the ratios the
 issue sets goals for.
 
-    python benchmarks/bench_e2e.py --device cuda                                   # everything (long)
-    python benchmarks/bench_e2e.py --device cuda --variants amp-bf16,bf16,fp8 --modes compiled
-    python benchmarks/bench_e2e.py --cpu-smoke --variants amp-bf16,bf16,fp8
+    python benchmarks/step/bench_e2e.py --device cuda                                   # everything (long)
+    python benchmarks/step/bench_e2e.py --device cuda --variants amp-bf16,bf16,fp8 --modes compiled
+    python benchmarks/step/bench_e2e.py --cpu-smoke --variants amp-bf16,bf16,fp8
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ break) or not ("twin NO": run-to-run nondeterministic kernels, where nothing can
 The current table goes to the top of benchmarks/RESULTS.md (``--markdown PATH`` writes it with the
 machine, date and command).
 
-Usage: python benchmarks/bench_parity.py [--models mlp,lm,lm-large] [--recipes fp16,bf16,bf16-pure,bf16-sr]
+Usage: python benchmarks/step/bench_parity.py [--models mlp,lm,lm-large] [--recipes fp16,bf16,bf16-pure,bf16-sr]
        [--modes eager,compiled,compile_step] [--optimizers foreach,fused] [--pairs 15] [--warmup 3]
        [--threads 1] [--device cpu|cuda] [--quick] [--markdown PATH]
 """

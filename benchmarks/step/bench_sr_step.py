@@ -20,7 +20,7 @@ beyond the matmuls, which on a CPU without bf16 instructions take nearly all of 
 
 ``--batch`` and ``--tokens`` shrink the batch (the update's work does not depend on it).
 
-Usage: python benchmarks/bench_sr_step.py [--rounds 30] [--warmup 3] [--recipes bf16-sr,bf16-pure]
+Usage: python benchmarks/step/bench_sr_step.py [--rounds 30] [--warmup 3] [--recipes bf16-sr,bf16-pure]
        [--optimizers foreach,fused] [--part whole|update] [--clock wall|cpu] [--threads 1]
        [--batch 8] [--tokens 64]
 """

@@ -10,7 +10,7 @@ Two comparisons, each interleaved (A, B, A, B, ...) so drift in clock speed or l
 
 Prints medians and the ratio torch.amp / mixprec (> 1 means mixprec is faster). The ", compiled" rows
 time ``torch.compile(model)`` + ``mp.compile_step()`` (CUDA graphs on CUDA) in the same interleaving.
-Usage: python benchmarks/bench_step.py [--device cpu|cuda] [--reps 30] [--recipes fp16,bf16]
+Usage: python benchmarks/step/bench_step.py [--device cpu|cuda] [--reps 30] [--recipes fp16,bf16]
 """
 
 from __future__ import annotations

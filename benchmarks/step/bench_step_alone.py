@@ -5,7 +5,7 @@ step (norm, overflow check, fused AdamW) on fixed random gradients, for the engi
 for ``mp.compile_step()``, and for torch's fused AdamW with no check at all (the torch.amp bf16 loop's
 step). Models as in bench_parity (full sizes). Steps interleaved; medians in ms.
 
-Usage: python benchmarks/bench_step_alone.py [--model lm|mlp|lm-large] [--recipe bf16] [--steps 15]
+Usage: python benchmarks/step/bench_step_alone.py [--model lm|mlp|lm-large] [--recipe bf16] [--steps 15]
        [--device cpu|cuda]
 """
 

@@ -5,7 +5,7 @@ eagerly) records how many and their call nodes (functions, methods, modules). Tw
 recipe, so a recompile in the second step shows as an extra graph. ``amp`` is the hand-written
 ``torch.autocast(bf16)`` loop: the count to match (issue 27: the casts belong in the model's graph).
 
-    python benchmarks/compiled_graphs.py [--models resnet18,vit,convnext] [--recipes amp,bf16,bf16-pure]
+    python benchmarks/step/compiled_graphs.py [--models resnet18,vit,convnext] [--recipes amp,bf16,bf16-pure]
 
 Needs torchvision (resnet18) and timm (vit, convnext).
 """
