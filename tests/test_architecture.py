@@ -245,7 +245,7 @@ SCRIPTS = sorted((SRC.parents[1] / "benchmarks").rglob("*.py")) + sorted((SRC.pa
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(SRC.parents[1])))
 def test_benchmark_and_example_scripts_import_names_that_exist(script):
     # Scripts are run by hand (and on the GPU machine), not by the suite: a name moved in src/ would
-    # otherwise break them unnoticed (benchmarks/memory_recipes.py did, after the layout change).
+    # otherwise break them unnoticed (benchmarks/memory/memory_recipes.py did, after the layout change).
     import importlib.util
     import warnings
 
@@ -262,3 +262,22 @@ def test_benchmark_and_example_scripts_import_names_that_exist(script):
             missing = [a.name for a in node.names if not hasattr(module, a.name)
                        and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
             assert not missing, f"{script.name}: {node.module} has no {missing}"
+
+
+BENCHMARKS = SRC.parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("script", sorted(BENCHMARKS.rglob("*.py")), ids=lambda p: str(p.relative_to(BENCHMARKS)))
+def test_a_benchmark_finds_the_benchmarks_it_imports(script):
+    # Run as ``python benchmarks/<folder>/<script>.py``, a script sees its own folder; a module of another
+    # folder needs that folder put on sys.path by name (plan/plan_e2e.py imports step/bench_e2e.py).
+    homes = {p.stem: p.parent for p in BENCHMARKS.rglob("*.py")}
+    text = script.read_text()
+    for node in ast.walk(ast.parse(text)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        for name in names:
+            home = homes.get(name.split(".")[0])
+            if home is not None and home != script.parent:
+                assert f'"{home.name}"' in text and "sys.path.insert" in text, (
+                    f"{script.relative_to(BENCHMARKS)} imports {name} from {home.name}/ without putting it on sys.path")

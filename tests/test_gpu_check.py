@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py: the one-call GPU check cannot rot without a GPU.
+"""benchmarks/gpu/gpu_check.py: the one-call GPU check cannot rot without a GPU.
 
 The budget logic and the tables built from pytest's and inspect's reports are checked here; the whole
 dry run (every part's code path on the CPU at tiny sizes) is slow-marked.
@@ -7,6 +7,7 @@ dry run (every part's code path on the CPU at tiny sizes) is slow-marked.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import gpu_check  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def test_the_plugin_stops_a_file_at_its_first_failure_and_records_as_it_goes(tmp
     (tmp_path / "test_two.py").write_text("def test_c():\n    pass\n")
     results = tmp_path / "out.jsonl"
     env = dict(__import__("os").environ, GPU_CHECK_RESULTS=str(results),
-               PYTHONPATH=str(ROOT / "benchmarks"))
+               PYTHONPATH=str(ROOT / "benchmarks" / "gpu"))
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "gpu_check_plugin", "-p", "no:cacheprovider",
                     "test_one.py", "test_two.py"], cwd=tmp_path, env=env, capture_output=True, timeout=120)
     got = [(r["file"], r["test"], r["outcome"]) for r in map(json.loads, results.read_text().splitlines())]
@@ -76,7 +77,7 @@ def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
     # PY: the interpreter running the tests (gpu_check.sh defaults to python3, the GPU machines' one;
     # on a CI machine that is a bare system Python without torch).
     env = dict(__import__("os").environ, PY=sys.executable)
-    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
                    check=True, timeout=900, capture_output=True, env=env)
     text = (tmp_path / "gpu_check.md").read_text()
     for title in ("a. CUDA tests", "b. The default loop", "c. fp8", "d. The host-bound step", "e. The doctor"):
@@ -87,3 +88,14 @@ def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
     assert "pytest (exit 0)" in text or "pytest (exit 5)" in text     # every CUDA test skips on a CPU
     parity_rows = [line for line in text.splitlines() if line.startswith("| lm")]
     assert len(parity_rows) == 8 and all(line.endswith("| yes |") for line in parity_rows)
+
+
+def test_every_script_the_gpu_check_the_session_and_make_run_exists(tmp_path):
+    """benchmarks/ is grouped by subject: a command naming a script that moved would fail only on the GPU."""
+    argvs = [argv for part in gpu_check.parts(False, tmp_path, "python3") for _, argv, _ in part.commands]
+    named = [a for argv in argvs for a in argv if a.endswith(".py")]
+    for path in ("benchmarks/gpu/gpu_session.sh", "benchmarks/gpu/gpu_check.sh", "Makefile"):
+        named += re.findall(r"benchmarks/[\w/]+\.py", (ROOT / path).read_text())
+    assert len(named) > 20
+    missing = sorted({p for p in named if not (ROOT / p).is_file()})
+    assert not missing, missing

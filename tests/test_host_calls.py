@@ -3,7 +3,7 @@ the torch.amp loop doing the same thing, are counted (``sys.setprofile``, determ
 held under a budget.
 
 On a GPU a small model is host-bound: every call here is time the GPU waits. The counts are those of
-``benchmarks/bench_host.py`` (3 linears 64 wide, batch 8, fused AdamW, after 3 warm-up steps); the budget
+``benchmarks/host/bench_host.py`` (3 linears 64 wide, batch 8, fused AdamW, after 3 warm-up steps); the budget
 is on mixprec's calls *minus* the torch.amp loop's, so a torch release that changes its own optimizer's
 or autocast's calls moves both sides alike. Each budget is the count measured when it was set plus a few
 calls of room (issue 36: a new per-step check must fit there, or say why it is worth more).
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "host" / "bench_host.py"
 _spec = importlib.util.spec_from_file_location("bench_host", _PATH)
 bench_host = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("bench_host", bench_host)

@@ -1,6 +1,6 @@
 """A drop-in first: by default ``fp16`` and ``bf16`` train bit for bit like the hand-written torch.amp
 loop they replace, dispatch at most a few aten ops more per step (the non-finite skip: one fused
-reduction), and add no compiled graph and no node. Counted, not timed (benchmarks/bench_parity.py times)."""
+reduction), and add no compiled graph and no node. Counted, not timed (benchmarks/step/bench_parity.py times)."""
 
 import warnings
 

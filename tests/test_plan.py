@@ -246,7 +246,7 @@ def test_plan_model_plans_a_users_own_model():
 def test_the_gpu_benchmark_of_a_plan_runs_its_whole_path_on_the_cpu():
     import subprocess
     import sys
-    script = TESTS.parent / "benchmarks" / "plan_e2e.py"
+    script = TESTS.parent / "benchmarks" / "plan" / "plan_e2e.py"
     out = subprocess.run([sys.executable, str(script), "--cpu-smoke"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "plan for h100 over 8 steps" in out.stdout and "accepted" in out.stdout

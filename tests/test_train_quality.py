@@ -1,10 +1,10 @@
-"""Long-horizon training quality in lockstep (issue 35): slow; the full table is benchmarks/train_quality.py.
+"""Long-horizon training quality in lockstep (issue 35): slow; the full table is benchmarks/quality/train_quality.py.
 
 Every recipe trains the lab's gpt from the same weights on the same batches (``mixprec compare``), so the
 per-step training losses of two recipes can be compared directly. mxfp8 and fp8-rowwise quantize every
 element that is normal in e4m3 to the same value (tests/test_blockscale.py), so their curves must stay
 together step by step; a bias or a wrong axis in either would pull them apart long before 800 steps
-(on the H100, 800 iterations of benchmarks/train_quality.py: 0.002 apart on the mean of 3 seeds,
+(on the H100, 800 iterations of benchmarks/quality/train_quality.py: 0.002 apart on the mean of 3 seeds,
 fp32's seed band being 0.022).
 """
 

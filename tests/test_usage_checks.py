@@ -195,7 +195,7 @@ def test_a_bare_optimizer_step_is_left_alone_where_it_is_correct(opt):
 
 
 def test_a_bare_step_after_loss_backward_under_fp16_is_the_users_own_loop():
-    # Only mp.autocast() used (benchmarks/bench_oplists.py): loss.backward() leaves unscaled gradients,
+    # Only mp.autocast() used (benchmarks/host/bench_oplists.py): loss.backward() leaves unscaled gradients,
     # and optimizer.step() on them is plain torch.autocast: not refused, and equal to a loop without mixprec.
     runs = []
     for use_engine in (True, False):

@@ -5,7 +5,7 @@ collective), but the cast before the gather, the gathered e4m3 weight going into
 the scales' refresh all run as on many GPUs. The gathered bytes and scale must equal the whole
 weight's cast bit for bit, and the run with the e4m3 gather must equal the run gathering fp32 (the
 layer casting after the gather) step for step: the same scale, the same e4m3 bytes, the same GEMMs.
-The cost of the cast: ``python benchmarks/bench_dist.py --fsdp-fp8 --nproc 1 --device cuda``.
+The cost of the cast: ``python benchmarks/step/bench_dist.py --fsdp-fp8 --nproc 1 --device cuda``.
 """
 
 import math
