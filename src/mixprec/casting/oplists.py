@@ -29,7 +29,7 @@ that differ from autocast's own policy on the device are applied by ``OpListMode
   backward would run in the wrong dtype.
 - A ``TorchFunctionMode`` is scoped to a ``with`` block and sits above autograd, so its casts are
   ordinary differentiable ``.to()`` calls. It costs one Python call per torch function in the forward
-  pass (the backward runs in C++ and is untouched); benchmarks/bench_oplists.py measures that.
+  pass (the backward runs in C++ and is untouched); benchmarks/host/bench_oplists.py measures that.
 
 With the default lists nothing is installed: no mode, no per-op Python work.
 

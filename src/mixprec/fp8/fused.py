@@ -22,7 +22,7 @@ so once (``fusion.FusionWarning``) and every cast runs the same function eagerly
 
 Off by default (``layer.fused_casts = True`` turns it on): on an H200 with torch 2.11 the compiled
 cast was slower than the eager one from 1024x1024 up, 23x at 8192x8192, and faster by about 60 us only
-on tensors of 256x256 and less (benchmarks/bench_fp8_cast.py, RESULTS.md 2026-11-28).
+on tensors of 256x256 and less (benchmarks/fp8/bench_fp8_cast.py, RESULTS.md 2026-11-28).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class Fp8LayerState(nn.Module):
             self._setup_blocked(self.blocked, device)
             return
         # Eager casts through fp8/fused.py's compiled kernel: off by default everywhere. Measured on an
-        # H200 (torch 2.11, 2026-11-28, benchmarks/bench_fp8_cast.py) the compiled cast lost from
+        # H200 (torch 2.11, 2026-11-28, benchmarks/fp8/bench_fp8_cast.py) the compiled cast lost from
         # 1024x1024 up, 10x at 4096x4096 and 23x at 8192x8192 (its dynamic-shape kernels), and won by
         # about 60 us only on tensors of 256x256 and less, where a step waits on the host anyway.
         # ``layer.fused_casts = True`` turns it on per layer; the numbers are the same bits.

@@ -31,7 +31,7 @@ compiled with ``mode="reduce-overhead"`` too, its backward graph's outputs are t
 to None (``zero_grad()``'s default) and call ``torch.compiler.cudagraph_mark_step_begin()`` before each
 forward. Kept, they are outputs the next replay overwrites ("accessing tensor output of CUDAGraphs that
 has been overwritten by a subsequent run": the H100 and H200 runs of 2026-11-27 and 28); the H200 run
-of 11-28 trained that way for bf16 and fp8 (benchmarks/bench_host.py's captured variants).
+of 11-28 trained that way for bf16 and fp8 (benchmarks/host/bench_host.py's captured variants).
 
     >>> import mixprec
     >>> model = torch.nn.Linear(4, 2)

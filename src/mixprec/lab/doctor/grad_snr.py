@@ -11,7 +11,7 @@ format and under fp32 from the same weights on the same batch, and compare each 
     sign = sum(|g| [sign g_f == sign g]) / sum(|g|)      (the share of the gradient pointing the same way)
 
 Below ``SNR_FLOOR = sqrt(3)`` the quantization error outweighs the gradient (the threshold proposed for
-FP4 training, Chmiel et al. 2025). On the char GPT of ``benchmarks/train_quality.py`` (RESULTS.md, issue
+FP4 training, Chmiel et al. 2025). On the char GPT of ``benchmarks/quality/train_quality.py`` (RESULTS.md, issue
 35) the smallest per-layer SNR along a run falls from 23 to 2.5 for the fp8 formats (rowwise and mxfp8
 alike, to 0.1) and from 5.5 to 0.6 for nvfp4, which crosses sqrt(3) where it leaves fp32's seed band.
 
