@@ -19,7 +19,8 @@ start in the time left is skipped with a line saying so:
 
 Writes into the output folder (``$OUT``, else ./gpu-out): ``gpu_check.md`` (a header with the device,
 torch version, date and commit, then one markdown table per part, rewritten after every part, ready
-to paste into benchmarks/RESULTS.md) and ``gpu_check.log`` (every part's raw output).
+to paste into benchmarks/HISTORY.md, its headline figures into RESULTS.md) and ``gpu_check.log``
+(every part's raw output).
 
 ``--dry-run`` runs every part's code path on the CPU at tiny sizes, compiled rows through the
 ``aot_eager`` backend, so the check cannot rot without a GPU (tests/test_gpu_check.py runs it).

@@ -11,7 +11,7 @@
 #                                     # recipe, eager, compiled and compile_step, with aten-op counts
 #   benchmarks/gpu/gpu_session.sh doctor  # issue 12 (~3 min): the doctor's Triton counting kernels against the
 #                                     # CPU, sync-freedom, and its cost (on/eager/plain) on cuda
-# Output goes to $OUT (the device tool's folder) or ./gpu-out; paste it into benchmarks/RESULTS.md with
+# Output goes to $OUT (the device tool's folder) or ./gpu-out; paste it into benchmarks/HISTORY.md with
 # the device and the date. Runs from the source tree (PYTHONPATH=src) with the python that holds a CUDA
 # torch (default: python3, as on the lent GPU machines, which have torch, rich, matplotlib, scikit-learn,
 # ml_dtypes and pytest but no network); set PY to use another.

@@ -15,7 +15,7 @@ Each recipe's baseline is the torch.amp loop that does the same thing: ``bf16`` 
 fused AdamW; ``fp16`` against autocast fp16 + GradScaler (``unscale_`` before a clip); the pure,
 rounding and fp8 recipes against torch.amp bf16 (fp16-pure against fp16 + GradScaler). With a clip,
 the torch.amp loop calls ``clip_grad_norm_(foreach=True)``. ``--profile`` prints where each recipe's
-calls go (calls per step by function), the table RESULTS.md keeps.
+calls go (calls per step by function), the table HISTORY.md keeps.
 
 ``--torchao`` adds fp8 (per-tensor current scaling) against torchao's own fp8 training of the same
 model (``convert_to_float8_training``: per-tensor dynamic scaling, the same formats), where torchao is

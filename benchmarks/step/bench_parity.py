@@ -25,8 +25,8 @@ that hold 16-bit weights: bf16-pure, bf16-sr, fp16-pure are not meant to match);
 second torch.amp loop over the same batches says whether torch.amp equals itself ("twin yes": a parity
 break) or not ("twin NO": run-to-run nondeterministic kernels, where nothing can match bit for bit).
 
-The current table goes to the top of benchmarks/RESULTS.md (``--markdown PATH`` writes it with the
-machine, date and command).
+The table goes into benchmarks/HISTORY.md and its newest figures into RESULTS.md (``--markdown PATH``
+writes it with the machine, date and command).
 
 Usage: python benchmarks/step/bench_parity.py [--models mlp,lm,lm-large] [--recipes fp16,bf16,bf16-pure,bf16-sr]
        [--modes eager,compiled,compile_step] [--optimizers foreach,fused] [--pairs 15] [--warmup 3]

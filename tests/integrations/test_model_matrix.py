@@ -3,7 +3,7 @@ x every CPU recipe, 15 steps (ResNet-18: 6) on one fixed batch: each trains and 
 of the fp32 run; the Llama's rotary frequencies stay exact under every recipe.
 
 Tolerances are on the largest loss difference from fp32 after the same number of updates, relative
-to the initial loss: a few times what was measured (benchmarks/RESULTS.md), and small against the
+to the initial loss: a few times what was measured (benchmarks/HISTORY.md), and small against the
 format's step: fp16's unit roundoff is 4.9e-4, bf16's 3.9e-3, e4m3's 6.3e-2 (fp8 recipes run bf16
 outside the linears).
 """
@@ -60,7 +60,7 @@ def test_model_trains_under_every_recipe_within_rounding_of_fp32(model_name, rec
     assert deviation <= TOLERANCE[recipe], (recipe, deviation, losses, ref)
     if model_name == "llama":
         assert torch.equal(model.model.rotary_emb.inv_freq, ref_model.model.rotary_emb.inv_freq), recipe
-    if os.environ.get("MIXPREC_MATRIX_JSON"):                # benchmarks: the figures in RESULTS.md
+    if os.environ.get("MIXPREC_MATRIX_JSON"):                # benchmarks: the figures in HISTORY.md
         with open(os.environ["MIXPREC_MATRIX_JSON"], "a") as f:
             f.write(json.dumps({"model": model_name, "recipe": recipe, "deviation": deviation,
                                 "skipped": sum(skipped), "seconds": secs, "fp32_seconds": ref_s}) + "\n")

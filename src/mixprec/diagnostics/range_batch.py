@@ -30,7 +30,7 @@ from .range_histogram import RangeHistogram
 __all__ = ["SmallTensorBatch"]
 
 # Tensors up to this many values are batched. CPU: a counting call costs ~9 us fixed with the C counter
-# and ~35-70 us with eager ops, the copy ~0.2 ns per value (measured, benchmarks/RESULTS.md); CUDA: a counting call is ~10 launches
+# and ~35-70 us with eager ops, the copy ~0.2 ns per value (measured, benchmarks/HISTORY.md); CUDA: a counting call is ~10 launches
 # (~5 us each) while copying 2**20 values takes ~3 us at HBM speed (reasoned; owed to a GPU run).
 _BATCH_MAX = {"cpu": 1 << 16, "cuda": 1 << 20}
 _CAPACITY = 1 << 21      # values in the buffer (8 MiB fp32); a full buffer is counted and reused

@@ -6,7 +6,7 @@ each value must be written by one kernel and read back by the next. ``range_coun
 :mod:`.range_bins` does (the exponent field plus one compare per end, vectorised) and counts in the
 same pass over each block of 256 values, which stay in the L1 cache between the two: 0.9-1.1 ns per
 value on one core in isolation and 1.07 ns inside the doctor's gpt step, against 2.0 ns there for
-the compiled kernel plus ``bincount`` and 3.0 ns for eager ops (benchmarks/RESULTS.md). On x86-64
+the compiled kernel plus ``bincount`` and 3.0 ns for eager ops (benchmarks/HISTORY.md). On x86-64
 gcc builds it for AVX-512, AVX2 and the baseline at once and the loader picks what the CPU has (where
 the C library cannot pick, as musl's, it is built once more for the baseline alone).
 

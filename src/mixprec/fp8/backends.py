@@ -50,7 +50,7 @@ def resolve_backend(config: Fp8Config, device: torch.device | str) -> tuple[str,
     if config.scaling.value == "block":
         return "scaled_mm", ""                    # Hopper's block kernels: what fp8=block is for
     # Per-tensor and rowwise on a CPU: the one measured probe (a per-tensor fp8 matmul; the rowwise
-    # kernel costs the same within noise: benchmarks/RESULTS.md) decides both.
+    # kernel costs the same within noise: benchmarks/HISTORY.md) decides both.
     speed = probe_fp8_speed(device)
     if speed is None:
         return "scaled_mm", ""

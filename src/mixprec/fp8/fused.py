@@ -3,7 +3,7 @@ the backward needs, compiled once by torch's own compiler.
 
 Eager, one role's cast is about a dozen kernels and six passes over the high-precision tensor: the
 amax reduction, ``to(fp32)``, ``* scale``, ``isinf``, ``clamp``, ``where``, ``to(fp8)``, then a
-transposed copy for the backward's column-major operand (benchmarks/RESULTS.md, H100 profiles: 88
+transposed copy for the backward's column-major operand (benchmarks/HISTORY.md, H100 profiles: 88
 kernels per fp8 linear forward+backward). Compiled, the same function is one reduction that reads the
 tensor for its amax and one pointwise kernel that reads it again and writes the fp8 values in both
 layouts; the scale arithmetic and the scale-state updates fold into those kernels. Under delayed

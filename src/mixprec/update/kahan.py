@@ -43,7 +43,7 @@ the old compensations stay joined to it (within half a bf16 ulp of the new value
 Whatever a compensation holds, the join of a finite weight is finite: the only finite weights whose
 pattern plus a compensation leaves the finite range are the zeros with a negative compensation
 (``0 - 1`` in the bits is 0xFFFFFFFF, a NaN; no split makes that pair: a zero is never rounded up), so
-the join makes those +0.0 (three more integer passes; measured in benchmarks/RESULTS.md, issue 33).
+the join makes those +0.0 (three more integer passes; measured in benchmarks/HISTORY.md, issue 33).
 
 NaN: a NaN's pattern plus 0x8000 may overflow int32 (0x7FFF8000 and up), so NaNs are made the
 canonical 0x7FC00000 first (low half zero), as ``stochastic_round_bf16_`` does.

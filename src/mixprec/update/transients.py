@@ -12,7 +12,7 @@ when the step ends (a small model's is kept, below).
 On CPU the chunks of a step in several chunks, and a single chunk of at least ``_WORKSPACE_MIN`` (32
 MiB) of fp32 gradients, are cast into one flat fp32 workspace that is kept between steps (the largest
 chunk: at most ``chunk_bytes``, or one larger tensor; ``workspace_bytes``): allocating each chunk's
-casts afresh was measured 2-3x slower there (benchmarks/RESULTS.md, page faults on fresh memory; with
+casts afresh was measured 2-3x slower there (benchmarks/HISTORY.md, page faults on fresh memory; with
 4 MiB chunks of 16 MiB tensors 7 ms of a 24 ms step). CUDA's caching allocator reuses the freed block
 by itself, so on CUDA large chunks keep nothing.
 
