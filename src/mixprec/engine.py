@@ -21,64 +21,38 @@ A skipped step leaves weights, master weights, optimizer state and step counters
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .casting.model import cast_model, check_module_patterns, keeps_fp32, low_precision_params
-from .checkpoint.check import check_engine_state
-from .update.compact_adamw import CompactAdamW
-from .devices import supports
-from .step.grad_norm import GradNorm
-from .step.grad_sync import GradSync, GroupChoice, SyncKind
+from .checkpoint.engine_state import engine_state_dict, load_engine_state, load_model_state
 from .checkpoint.export import fp32_state_dict
-from .fp8.state import fp8_state_dict, load_fp8_state_dict
-from .fp8.swap import check_fp8_patterns, resolve_backends, swap_to_fp8
-from .fp8.swap_report import Fp8SwapReport, none_swapped_reason
-from .loss_scale.per_layer import LayerLossScale
-from .loss_scale.scales import DynamicLossScale, LossScale, NoLossScale, ScaleInBackward, make_loss_scale
-from .update.master import MasterWeights
-from .guards.nonfinite import NonfiniteOrigin, NonfiniteTracer, first_nonfinite
-from .casting.oplists import op_list_mode
+from .engine_args import check_arguments, check_model_and_optimizer
+from .fp8.backends import Fp8EmulationWarning
+from .guards.nonfinite import NonfiniteOrigin, first_nonfinite
+from .guards.usage import check_loss_tensor, frozen_model_message, no_grads_message
+from .loss_scale.scales import ScaleInBackward
+from .recipe import Precision, Recipe, get_recipe
+from .casting.saved16 import SavedPacker, warn_if_compiled_saves
+from .casting.tf32 import fp32_precision
+from .step.grad_sync import GroupChoice, check_installable
 from .step.optimizer import (fused_kernel_for, fused_optimizer_step, generic_optimizer_step,
                              host_fused_optimizer_step, master_whole, unscale_and_clip)
-from .recipe import Precision, Recipe, get_recipe
-from .engine_args import check_arguments
-from .guards.usage import (UsageChecks, bare_step_reason, check_loss_tensor, check_param_dtypes,
-                           foreign_params_message, frozen_model_message, no_grads_message, remember_engine)
-from .recipe.moments import Moments
-from .casting.saved16 import Saved, SavedPacker, warn_if_compiled_saves
-from .step.result import StepObserver, StepResult
-from .casting.tf32 import fp32_precision
+from .step.parts import decide_once, prepare_model
+from .step.result import StepObserver, StepResult, check_step_observer
 
+if TYPE_CHECKING:
+    from .fp8.swap import Fp8SwapReport
+    from .step.grad_sync import GradSync
+    from .update.compact_adamw import CompactAdamW
+    from .update.master import MasterWeights
+
+# Fp8EmulationWarning is defined beside the backend choice that warns it (fp8/backends.py); named here as before.
 __all__ = ["MixedPrecision", "StepResult", "StepObserver", "Fp8EmulationWarning"]
-
-
-class Fp8EmulationWarning(UserWarning):
-    """An fp8 recipe runs emulated (exact fp8 rounding, fp32 matmuls) on a device without fp8 matmuls."""
-
-
-class _ReusedAutocast(torch.autocast):
-    """The engine's one ``torch.autocast``, entered at every step: building one costs more host work
-    than entering it (on CUDA torch asks the device for bf16 support at each construction). torch's
-    ``__enter__`` and ``__exit__`` save and restore the autocast state on the instance, so one instance
-    is safe to enter again once exited; ``entered`` says whether it is in use now."""
-
-    entered = False
-
-    def __enter__(self):
-        self.entered = True
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.entered = False
-        return super().__exit__(*exc)
 
 
 class MixedPrecision:
@@ -114,118 +88,26 @@ class MixedPrecision:
                  process_group: Any = GroupChoice.AUTO) -> None:
         self.recipe = get_recipe(recipe)
         check_arguments(model, optimizer, clip_grad_norm, fp8_filter, trace_nonfinite, process_group, seed)
-        params = list(model.parameters())
-        if not params:
-            raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
-        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-        owned = {id(p) for p in params}
-        foreign = [p for p in opt_params if id(p) not in owned]
-        if foreign or not opt_params:
-            raise ValueError(foreign_params_message(model, optimizer, foreign, len(opt_params)))
-        non_float = [n for n, p in model.named_parameters() if not p.is_floating_point()]
-        if non_float:
-            raise TypeError(f"parameters {non_float[:3]} are not floating point; mixed precision trains "
-                            "floating-point weights only")
-        # The recipe decides the weights' dtype: a 16-bit model under 'fp16' would train with no master.
-        check_param_dtypes(model, self.recipe, low_precision_params(model, self.recipe))
-        self.device = params[0].device
+        # The model, the optimizer, the recipe and the device against each other: refused before the
+        # optimizer or the model is touched (engine_args.py).
+        self.device, opt_params = check_model_and_optimizer(model, optimizer, self.recipe)
         self._on_cpu = self.device.type == "cpu"
-        support = supports(self.recipe, self.device)
-        if not support.ok:
-            raise ValueError(f"recipe {self.recipe.label!r} cannot run on {self.device}: {support.reason}")
-
-        # Patterns that match nothing are typos: refused here, before the optimizer or model is touched.
-        check_module_patterns(model, self.recipe)
-        if self.recipe.fp8 is not None:
-            check_fp8_patterns(model, self.recipe.fp8)
         self.model = model
         self.optimizer = optimizer
         self.clip_grad_norm = clip_grad_norm
-        in_optimizer = {id(p) for p in opt_params}
-        low = [p for p in low_precision_params(model, self.recipe) if id(p) in in_optimizer]
-        # Across ranks: how the gradient norm is reduced (mixprec.distributed). Under FSDP2 the sharded
-        # fp32 parameters are the master copy and FSDP casts the gathered weights: no cast, no master.
-        self.grad_sync = GradSync.for_model(model, self.recipe, process_group)
-        self.master: MasterWeights | None = None
-        if self.recipe.param.is_low and not self.grad_sync.fsdp:
-            self.master = MasterWeights(low, optimizer, keep=self.recipe.master is not None,
-                                        rounding=self.recipe.rounding, seed=seed)
-        # moments=bf16|bf16-sr|fp8: the engine steps its own AdamW with compact moments (update/compact_adamw.py).
-        self.moments: CompactAdamW | None = None
-        if self.recipe.moments is not Moments.FP32:
-            if self.grad_sync.fsdp:
-                raise ValueError(f"moments={self.recipe.moments.value} is not supported under FSDP2 yet; "
-                                 "use moments=fp32 there")
-            self.moments = CompactAdamW(optimizer, self.recipe.moments, seed=seed,
-                                        numel=self.master.numel_of if self.master else torch.Tensor.numel)
-        self.fp8_report: Fp8SwapReport | None = None
-        if self.recipe.fp8 is not None:
-            # A backend per scaling: ``layers=`` rules may mix formats with and without a kernel here.
-            backend, note = resolve_backends(self.recipe.fp8, self.device)
-            if note and "emulate" in backend.values():    # the notice: fp8 runs, but emulated, and why
-                warnings.warn(note, Fp8EmulationWarning, stacklevel=2)
-            keeps = (lambda m: keeps_fp32(m, self.recipe)) if self.recipe.param.is_low else None
-            self.fp8_report = swap_to_fp8(model, self.recipe.fp8, backend=backend, note=note,
-                                          filter=fp8_filter, keeps_fp32=keeps)
-            none_swapped = none_swapped_reason(self.fp8_report, self.recipe.label)
-            if none_swapped is not None:
-                warnings.warn(none_swapped, UserWarning, stacklevel=2)
-        elif fp8_filter is not None:
-            raise ValueError(f"fp8_filter was given but recipe {self.recipe.label!r} has no fp8; use an fp8 "
-                             "recipe (e.g. 'fp8') or drop fp8_filter")
-        self._hooks = cast_model(model, self.recipe, self.device.type,
-                                 cast_params=not self.grad_sync.fsdp)
-        # saved=exact|low with 16-bit compute: some fp32 activations it saves are kept in 16 bits
-        # (casting/saved16.py). Off by default: nothing is installed.
-        self._packs_saved = self.recipe.saved is not Saved.FP32 and (
-            self.recipe.compute.is_low or any(p.is_low for _, p in self.recipe.modules))
-        # Whether the first backward still has to look for a compiled region, where saved= does not apply.
-        self._saved_compile_check = self._packs_saved
-        # None with autocast's default lists: then no per-op Python work runs in the forward.
-        self._op_mode = op_list_mode(self.recipe.op_edits, self.device.type)
-        self.loss_scale: LossScale = make_loss_scale(self.recipe.loss_scale, self.device)
-        # The loss scale's kind is fixed at construction (load_state_dict loads into it): step() reads
-        # these flags rather than asking isinstance at every step.
-        self._layer_scale = isinstance(self.loss_scale, LayerLossScale)
-        self._dynamic_scale = isinstance(self.loss_scale, DynamicLossScale)
-        self._scaled = not isinstance(self.loss_scale, NoLossScale)    # S may differ from 1
-        self._clip_multiplier: torch.Tensor | None = None    # unscale_and_clip's clip / S, per step
-        if self._layer_scale:
-            self.loss_scale.attach(self)     # scale=per-layer: hooks on each layer (loss_scale/per_layer.py)
-        self._grad_norm = GradNorm()     # the chunked pure step's norm: 16-bit gradients, no fp32 copies
-        self._nonfinite = None
-        self._overflow_check: tuple | None = None    # (found_inf, scale, traced ops) of the last step
-        self._overflow = None
-        if trace_nonfinite:
-            self._nonfinite = NonfiniteTracer(model)
-        # Decided here, not at every step: what autocast() and backward() enter beyond torch's own.
-        self._compute_dtype = self.recipe.compute.dtype
-        self._autocast_on = self.recipe.autocast
-        sets_tf32 = self.recipe.compute in (Precision.FP32, Precision.TF32)
-        self._backward_alone = self._nonfinite is None and not sets_tf32
-        self._autocast_alone = self._backward_alone and self._op_mode is None and not self._packs_saved
-        # One torch.autocast for every step (_ReusedAutocast); building it is most of autocast()'s host
-        # work on CUDA (torch checks the device's bf16 support each time: 39 of 48 calls, H200).
-        self._autocast_ctx = (_ReusedAutocast(self.device.type, dtype=self._compute_dtype)
-                              if self._autocast_alone and self._autocast_on else None)
-        # Misuse that would train on silently wrong (usage_checks): flags and counters, no host sync.
-        self._checks = UsageChecks(self.recipe, self._scaled, self.device)
-        self._checks.traced = trace_nonfinite
-        self._checks.remember_dtype(model)     # model.half() after this point is refused at step()
-        # A bare optimizer.step() where only mp.step() steps right (a loss scale, fp32 copies, compact
-        # moments) raises; nothing is installed where it is correct (bf16, fp32).
-        self._checks.guard_optimizer(optimizer, bare_step_reason(
-            self.recipe, self._scaled, self.master is not None,
-            self.moments is not None))
-        # What zero_grad() clears beyond the optimizer's own zero_grad (fp32 copies replaced their weights).
-        self._params = list(model.parameters())      # the Parameters stay; fp8 layers share them
-        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self._outside_optimizer = [p for p in self._params if id(p) not in held]
-        # optimizer.add_param_group() after this point is refused at step() (one int compare per step).
-        self._checks.watch_optimizer(optimizer, held | {id(p) for p in self._params if p.dtype == torch.float32})
-        remember_engine(model, self)
-        # add_step_observer; empty: step() calls nothing. An OrderedDict: RemovableHandle weak-refs it.
-        self._step_observers: collections.OrderedDict[int, StepObserver] = collections.OrderedDict()
+        # The model and the optimizer prepared for the recipe (step/parts.py): across ranks, how the
+        # gradient norm is reduced (mixprec.distributed); the fp32 copies the optimizer steps, cloned
+        # before the weights are cast; compact moments (moments=); fp8 layers swapped in; weights cast.
+        self.master: MasterWeights | None
+        self.moments: CompactAdamW | None
+        self.fp8_report: Fp8SwapReport | None
+        self.grad_sync, self.master, self.moments, self.fp8_report, self._hooks = prepare_model(
+            model, optimizer, self.recipe, self.device, opt_params, seed=seed, fp8_filter=fp8_filter,
+            process_group=process_group)
+        # What autocast(), backward() and step() read, decided once (step/parts.py): the loss scale
+        # and its kind, the NaN/Inf tracer, the reused torch.autocast, the usage checks, the parameters
+        # zero_grad() clears, the step observers.
+        decide_once(self, model, optimizer, trace_nonfinite)
         self._compiled_step: Any = None     # compile_step() sets a step_compile.CompiledStep
 
     # ------------------------------------------------------------------ forward
@@ -431,11 +313,7 @@ class MixedPrecision:
         the model. For diagnostics (``mixprec.diagnostics.RangeCollector``); ``handle.remove()`` detaches
         it. With no observer, step() does nothing extra.
         """
-        missing = [m for m in ("before_step", "after_step") if not callable(getattr(observer, m, None))]
-        if missing:
-            raise TypeError(f"a step observer needs methods before_step(engine) and after_step(engine, "
-                            f"found_inf); {type(observer).__name__} has no {' or '.join(missing)} (see "
-                            "mixprec.StepObserver; mixprec.diagnostics.RangeCollector is one)")
+        check_step_observer(observer)     # the protocol's two methods (step/result.py)
         handle = RemovableHandle(self._step_observers)
         self._step_observers[handle.id] = observer
         return handle
@@ -446,11 +324,7 @@ class MixedPrecision:
         ``mixprec.distributed.wrap_ddp`` builds the replicated ``GradSync`` for a model it wrapped after
         this engine was built on the plain model; the engine only ever changes its own state here.
         """
-        if not isinstance(sync, GradSync):
-            raise TypeError(f"install_grad_sync takes a GradSync, got {type(sync).__name__}")
-        if self.grad_sync.kind is not SyncKind.LOCAL:
-            raise ValueError(f"this engine already reduces over ranks ({self.grad_sync.kind.value}); "
-                             "a GradSync is installed once, on an engine built on the plain model")
+        check_installable(self.grad_sync, sync)     # a GradSync, installed once (step/grad_sync.py)
         self.grad_sync = sync
 
     # ----------------------------------------------------------------- helpers
@@ -490,10 +364,7 @@ class MixedPrecision:
         The model's and the optimizer's own state dicts are theirs to save (``save_checkpoint`` saves
         all of it together).
         """
-        return {"recipe": str(self.recipe), "loss_scale": self.loss_scale.state_dict(),
-                "master": self.master.state_dict() if self.master is not None else None,
-                "fp8": fp8_state_dict(self.model) if self.fp8_report is not None else None,
-                "moments": self.moments.state_dict() if self.moments is not None else None}
+        return engine_state_dict(self)      # checkpoint/engine_state.py
 
     def fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights for an fp32 model: master copies where the recipe keeps them, every
@@ -510,22 +381,9 @@ class MixedPrecision:
         weight's master (under bf16-kahan: weight and compensation, the exact fp32 value), the 16-bit
         weight its rounding. Without fp32 copies it is ``model.load_state_dict``.
         """
-        result = self.model.load_state_dict(state_dict, strict=strict)
-        if self.master is not None:
-            position = {id(p): i for i, p in enumerate(self.master.model_params)}
-            for key, param in self.model.state_dict(keep_vars=True).items():
-                if id(param) in position and key in state_dict:
-                    self.master.load_fp32_(position[id(param)], state_dict[key])
-        return result
+        return load_model_state(self, state_dict, strict)      # checkpoint/engine_state.py
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output; a misfit is a ValueError and changes nothing."""
-        check_engine_state(self, state)     # recipe, loss scale, masters, fp8: all checked first
-        self.loss_scale.load_state_dict(state["loss_scale"])
-        if self.master is not None:
-            self.master.load_state_dict(state["master"])
-        if self.fp8_report is not None:
-            load_fp8_state_dict(self.model, state["fp8"])
-        if self.moments is not None:
-            self.moments.load_state_dict(state["moments"])
+        load_engine_state(self, state)      # all checked first (checkpoint/engine_state.py)
 

@@ -1,18 +1,27 @@
 """The arguments ``MixedPrecision(...)`` takes, checked before anything is touched: a wrong type or value
 is a TypeError/ValueError that names the argument, what it takes and an example, not a traceback from
-deep inside the first step."""
+deep inside the first step (``check_arguments``); then the model and the optimizer against each other,
+the recipe and the device (``check_model_and_optimizer``). Only after both does the engine prepare the
+model (``step/parts.py``)."""
 
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from .casting.model import check_module_patterns, low_precision_params
+from .devices import supports
+from .fp8.swap import check_fp8_patterns
+from .guards.usage import check_param_dtypes, foreign_params_message
 from .step.grad_sync import GroupChoice
 
-__all__ = ["check_arguments"]
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+__all__ = ["check_arguments", "check_model_and_optimizer"]
 
 
 def check_arguments(model: Any, optimizer: Any, clip_grad_norm: Any, fp8_filter: Any, trace_nonfinite: Any,
@@ -56,3 +65,35 @@ def _check_process_group(process_group: Any) -> None:
     raise TypeError(f"process_group must be 'auto' (detect FSDP2 and DDP), None (keep the overflow flag "
                     "and norm local) or a torch.distributed ProcessGroup (e.g. dist.new_group(...)), got "
                     f"{type(process_group).__name__} {process_group!r}")
+
+
+def check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              recipe: Recipe) -> tuple[torch.device, list[torch.Tensor]]:
+    """``(device, the optimizer's tensors)``, or the TypeError/ValueError that refuses this model and
+    optimizer under ``recipe``: nothing to train, tensors the model does not own, integer weights, 16-bit
+    weights under a recipe that keeps them fp32, a device the recipe cannot run on, module or fp8
+    patterns that match nothing. Nothing is touched."""
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    owned = {id(p) for p in params}
+    foreign = [p for p in opt_params if id(p) not in owned]
+    if foreign or not opt_params:
+        raise ValueError(foreign_params_message(model, optimizer, foreign, len(opt_params)))
+    non_float = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+    if non_float:
+        raise TypeError(f"parameters {non_float[:3]} are not floating point; mixed precision trains "
+                        "floating-point weights only")
+    # The recipe decides the weights' dtype: a 16-bit model under 'fp16' would train with no master.
+    check_param_dtypes(model, recipe, low_precision_params(model, recipe))
+    device = params[0].device
+    support = supports(recipe, device)
+    if not support.ok:
+        raise ValueError(f"recipe {recipe.label!r} cannot run on {device}: {support.reason}")
+
+    # Patterns that match nothing are typos: refused here, before the optimizer or model is touched.
+    check_module_patterns(model, recipe)
+    if recipe.fp8 is not None:
+        check_fp8_patterns(model, recipe.fp8)
+    return device, opt_params

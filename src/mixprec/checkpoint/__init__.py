@@ -4,10 +4,13 @@
 itself (header, SHA-256, atomic write, ``CheckpointError``); ``check.py`` checks that a state fits an
 engine before anything is written, ``optim.py`` the optimizer's and LR scheduler's part of that;
 ``values.py`` refuses values no run can produce; ``read.py`` sums a checkpoint up without an engine
-(``read_checkpoint``); ``export.py`` gives the fp32 weights for ``save_pretrained`` and serving.
+(``read_checkpoint``); ``export.py`` gives the fp32 weights for ``save_pretrained`` and serving;
+``engine_state.py`` is the engine's own state (``mp.state_dict()``, ``mp.load_state_dict``) and fp32
+weights loaded at fp32 precision (``mp.load_model_state_dict``).
 
-May import: the engine (``files.py``, ``export.py`` for annotations), ``fp8``, ``recipe``, and its own
-modules. The engine imports ``check.py`` (with ``optim.py`` and ``values.py``) and ``export.py``.
+May import: the engine (``files.py``, ``export.py``, ``engine_state.py`` for annotations), ``fp8``,
+``recipe``, and its own modules. The engine imports ``engine_state.py`` (which imports ``check.py``, with
+``optim.py`` and ``values.py``) and ``export.py``.
 """
 
 import importlib as _importlib

@@ -15,7 +15,11 @@ import torch
 from ..devices import probe_fp8_kernel, probe_fp8_speed
 from ..recipe.fp8 import Fp8Config
 
-__all__ = ["resolve_backend", "resolve_backends", "backend_per_scaling"]
+__all__ = ["resolve_backend", "resolve_backends", "backend_per_scaling", "Fp8EmulationWarning"]
+
+
+class Fp8EmulationWarning(UserWarning):
+    """An fp8 recipe runs emulated (exact fp8 rounding, fp32 matmuls) on a device without fp8 matmuls."""
 
 # backend=auto keeps torch._scaled_mm unless the measured probe finds it more than this many times
 # slower than the emulation. A sound kernel measures about 1.1x on a CPU (AMD Zen 5, torch 2.13: the
@@ -33,7 +37,7 @@ def resolve_backend(config: Fp8Config, device: torch.device | str) -> tuple[str,
     a millisecond, once per process); on CUDA (8.9+; block: 9.x) the kernel. ``backend=scaled_mm``
     or ``backend=emulate`` overrides the choice; ``scaled_mm`` on a device that cannot run it is a
     ValueError with the reason. The note names the choice and why; the engine shows it once, as an
-    ``Fp8EmulationWarning``, when the emulation runs.
+    ``Fp8EmulationWarning`` (defined here; ``mixprec.Fp8EmulationWarning``), when the emulation runs.
     """
     if config.backend == "emulate":
         return "emulate", ""

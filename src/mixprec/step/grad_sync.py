@@ -42,7 +42,7 @@ from torch import nn
 
 from ..recipe import Recipe, Rounding
 
-__all__ = ["GradSync", "SyncKind", "GroupChoice", "local_shard"]
+__all__ = ["GradSync", "SyncKind", "GroupChoice", "local_shard", "check_installable"]
 
 _FSDP_RECIPE_ATTR = "_mixprec_fsdp_recipe"   # set on the root by shard_model, read by the engine
 
@@ -138,6 +138,16 @@ class GradSync:
         total = torch.where(torch.isfinite(sq_f32), sq_f32, torch.full_like(sq_f32, float("inf")))
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         return total
+
+
+def check_installable(current: GradSync, sync: Any) -> None:
+    """Refuse ``engine.install_grad_sync(sync)``: ``sync`` is not a GradSync, or the engine's ``current``
+    one already reduces over ranks (a GradSync is installed once, on an engine built on the plain model)."""
+    if not isinstance(sync, GradSync):
+        raise TypeError(f"install_grad_sync takes a GradSync, got {type(sync).__name__}")
+    if current.kind is not SyncKind.LOCAL:
+        raise ValueError(f"this engine already reduces over ranks ({current.kind.value}); "
+                         "a GradSync is installed once, on an engine built on the plain model")
 
 
 def _check_fsdp_recipe(model: nn.Module, recipe: Recipe) -> None:

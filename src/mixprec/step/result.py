@@ -11,7 +11,7 @@ import torch
 if TYPE_CHECKING:
     from ..engine import MixedPrecision
 
-__all__ = ["StepObserver", "StepResult"]
+__all__ = ["StepObserver", "StepResult", "check_step_observer"]
 
 
 class StepObserver(Protocol):
@@ -23,6 +23,15 @@ class StepObserver(Protocol):
     def after_step(self, engine: MixedPrecision, found_inf: torch.Tensor) -> None:
         """The optimizer stepped or skipped (``found_inf``, a () bool tensor, says which); fp32 copies
         are not yet rounded into the model."""
+
+
+def check_step_observer(observer: object) -> None:
+    """The TypeError ``add_step_observer`` raises for an object without the protocol's two methods."""
+    missing = [m for m in ("before_step", "after_step") if not callable(getattr(observer, m, None))]
+    if missing:
+        raise TypeError(f"a step observer needs methods before_step(engine) and after_step(engine, "
+                        f"found_inf); {type(observer).__name__} has no {' or '.join(missing)} (see "
+                        "mixprec.StepObserver; mixprec.diagnostics.RangeCollector is one)")
 
 
 @dataclasses.dataclass(frozen=True)
