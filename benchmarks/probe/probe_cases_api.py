@@ -338,3 +338,59 @@ for what, call, words in SUPPORTS:
 def _supports_strings() -> Outcome:
     s = mixprec.supports("fp16", "cpu")
     return correct(s.ok is True and not mixprec.supports("tf32", "cpu").ok, "fp16 runs on the CPU, tf32 not")
+
+
+# ----------------------------------------------------------------------------- the regrouped core (issue 52)
+def _fresh_import(name: str):
+    """Import ``name`` as a user's first import of it would, warnings recorded."""
+    import importlib
+    import sys
+    sys.modules.pop(name, None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        module = importlib.import_module(name)
+    return module, record
+
+
+@case("layout", "import mixprec.master (a path from before the regrouping)")
+def _old_module_path() -> Outcome:
+    import mixprec.update.master as new
+    old, record = _fresh_import("mixprec.master")
+    return correct(old is new and warned(record, "mixprec.master moved to mixprec.update.master"),
+                   "the old path gives the module at its new home, with a DeprecationWarning naming it")
+
+
+@case("layout", "from mixprec.grad_sync import GradSync (an old path, a name from it)")
+def _old_module_name() -> Outcome:
+    from mixprec.step.grad_sync import GradSync
+    old, record = _fresh_import("mixprec.grad_sync")
+    return correct(old.GradSync is GradSync and warned(record, "mixprec.step.grad_sync"),
+                   "the name is the same object, and the warning says where it lives now")
+
+
+@case("layout", "import mixprec.no_such_module")
+def _no_such_module() -> Outcome:
+    try:
+        _fresh_import("mixprec.no_such_module")
+    except ModuleNotFoundError as e:
+        return correct("mixprec.no_such_module" in str(e), "Python's own ModuleNotFoundError, naming it")
+    return correct(False, "an unknown module is not found (the old-path finder answers only for moved ones)")
+
+
+@case("layout", "from mixprec.checkpoint import no_such_name")
+def _checkpoint_no_such_name() -> Outcome:
+    try:
+        from mixprec.checkpoint import no_such_name  # noqa: F401
+    except ImportError as e:
+        return correct("no_such_name" in str(e) and "mixprec.checkpoint" in str(e),
+                       "Python's ImportError names the name and the package (its lazy exports answer only "
+                       "for their own names)")
+    return correct(False, "an unknown name is refused")
+
+
+@case("layout", "mixprec.checkpoint.use_mixprec_read_checkpoint (the name checkpoints on disk spell)")
+def _checkpoint_trap_name() -> Outcome:
+    import mixprec.checkpoint
+    fn = mixprec.checkpoint.use_mixprec_read_checkpoint
+    allowed = (fn, "mixprec.checkpoint.use_mixprec_read_checkpoint") in torch.serialization.get_safe_globals()
+    return correct(allowed, "it resolves in the package and torch.load's allowlist holds it under that name")
