@@ -379,8 +379,9 @@ def _no_such_module() -> Outcome:
 
 @case("layout", "from mixprec.checkpoint import no_such_name")
 def _checkpoint_no_such_name() -> Outcome:
+    import mixprec.checkpoint
     try:
-        from mixprec.checkpoint import no_such_name  # noqa: F401
+        exec("from mixprec.checkpoint import no_such_name", {})    # as a user's line would spell it
     except ImportError as e:
         return correct("no_such_name" in str(e) and "mixprec.checkpoint" in str(e),
                        "Python's ImportError names the name and the package (its lazy exports answer only "
