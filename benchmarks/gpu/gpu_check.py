@@ -33,6 +33,7 @@ to paste into benchmarks/HISTORY.md, its headline figures into RESULTS.md) and `
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -168,6 +169,42 @@ def header(py: str, dry: bool) -> str:
             f"Python {sys.version.split()[0]}; mixprec commit {commit}. {mode}\n")
 
 
+def _run_part(part: Part, w: str, allowed: float | None, log_path: Path, env: dict, tmp: Path, start: float,
+              append: bool = False) -> str:
+    """Run one part's commands in order, their output into ``log_path``; return its report section.
+    ``allowed``: the part's seconds (None: no limit, the dry run)."""
+    body = []
+    t0 = time.monotonic()
+    with log_path.open("a" if append else "w") as logf:
+        for label, cmd, md in part.commands:
+            remaining = None if allowed is None else allowed - (time.monotonic() - t0)
+            if remaining is not None and remaining < 5:
+                body.append(f"{label}: skipped, the part's {allowed:.0f} s were spent")
+                continue
+            logf.write(f"\n### {w}/{label}: {' '.join(cmd)}\n")
+            logf.flush()
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                    timeout=None if remaining is None else max(remaining, 1)).returncode
+                status = f"exit {rc}"
+            except subprocess.TimeoutExpired:
+                status = f"stopped at the part's time limit ({allowed:.0f} s)"
+            logf.write(f"### {w}/{label}: {status}\n")
+            logf.flush()
+            body.append(f"{label} ({status}):\n")
+            if md and Path(md).exists():
+                body.append(Path(md).read_text())
+            elif w == "tests":
+                body.append(tests_table(tmp / "tests.jsonl"))
+            elif label == "memory":
+                body.append(memory_table(tmp / "inspect.json"))
+            else:
+                body.append("(no table: see gpu_check.log)")
+    body.append(f"\n({time.monotonic() - t0:.0f} s)")
+    print(f"gpu_check: {w} done at {time.monotonic() - start:.0f} s", flush=True)
+    return f"## {part.title}\n\n" + "\n".join(body) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="every part's code path on the CPU at tiny sizes")
@@ -192,7 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     sections = [header(py, args.dry_run)]
     start = time.monotonic()
     total_share = sum(known[w].share for w in wanted)
-    with log.open("w") as logf:
+    if args.dry_run:
+        # Nothing is measured on the CPU: the parts run side by side, one per core, each into a log of its
+        # own; the report and the log are put together in the parts' order.
+        logs = {w: tmp / f"{w}.log" for w in wanted}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+            futures = {w: pool.submit(_run_part, known[w], w, None, logs[w], env, tmp, start) for w in wanted}
+            with log.open("w") as logf:
+                for w in wanted:
+                    sections.append(futures[w].result())
+                    logf.write(logs[w].read_text())
+                    report.write_text("\n".join(sections))
+    else:
         for w in wanted:
             part = known[w]
             left = args.budget - (time.monotonic() - start)
@@ -200,40 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             scale = args.budget / total_share
             later = sum(known[x].share * scale for x in wanted[wanted.index(w) + 1:])
             allowed = min(left, max(part.share * scale, left - later))
-            body = []
-            if left < part.minimum * scale and not args.dry_run:
-                body.append(f"skipped: {max(left, 0):.0f} s of the budget left, the part needs at least "
-                            f"{part.minimum * scale:.0f} s")
+            if left < part.minimum * scale:
+                sections.append(f"## {part.title}\n\nskipped: {max(left, 0):.0f} s of the budget left, the part "
+                                f"needs at least {part.minimum * scale:.0f} s\n")
             else:
-                t0 = time.monotonic()
-                for label, cmd, md in part.commands:
-                    remaining = allowed - (time.monotonic() - t0)
-                    if remaining < 5 and not args.dry_run:
-                        body.append(f"{label}: skipped, the part's {allowed:.0f} s were spent")
-                        continue
-                    logf.write(f"\n### {w}/{label}: {' '.join(cmd)}\n")
-                    logf.flush()
-                    try:
-                        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                            timeout=None if args.dry_run else max(remaining, 1)).returncode
-                        status = f"exit {rc}"
-                    except subprocess.TimeoutExpired:
-                        status = f"stopped at the part's time limit ({allowed:.0f} s)"
-                    logf.write(f"### {w}/{label}: {status}\n")
-                    logf.flush()
-                    body.append(f"{label} ({status}):\n")
-                    if md and Path(md).exists():
-                        body.append(Path(md).read_text())
-                    elif w == "tests":
-                        body.append(tests_table(tmp / "tests.jsonl"))
-                    elif label == "memory":
-                        body.append(memory_table(tmp / "inspect.json"))
-                    else:
-                        body.append("(no table: see gpu_check.log)")
-                body.append(f"\n({time.monotonic() - t0:.0f} s)")
-            sections.append(f"## {part.title}\n\n" + "\n".join(body) + "\n")
+                sections.append(_run_part(part, w, allowed, log, env, tmp, start, append=True))
             report.write_text("\n".join(sections))     # after every part: a cut-off run keeps what it has
-            print(f"gpu_check: {w} done at {time.monotonic() - start:.0f} s", flush=True)
     print(report.read_text())
     return 0
 
